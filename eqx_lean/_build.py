@@ -1,5 +1,6 @@
 """Memory-lean construction of stacked layers: one layer at a time into preallocated buffers."""
 
+import ctypes
 import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple, TypeVar
@@ -103,8 +104,8 @@ def _num_layers_of_keys(keys: Any) -> int:
         raw_shape = jax.eval_shape(lambda: jax.random.PRNGKey(0)).shape
         if keys.dtype != jnp.uint32 or keys.shape[1:] != raw_shape:
             raise ValueError(
-                "`keys` must be a typed key array of shape (num_layers,) or raw uint32 keys of shape "
-                f"(num_layers, {', '.join(map(str, raw_shape))}) for the configured PRNG "
+                "`keys` must be a typed key array of shape (num_layers,) or raw uint32 keys of "
+                f"shape (num_layers, {', '.join(map(str, raw_shape))}) for the configured PRNG "
                 f"implementation; got {keys.dtype}{list(keys.shape)}."
             )
         expected_ndim = 1 + len(raw_shape)
@@ -133,9 +134,9 @@ def _abstract_layer(make_layer: Callable[[PRNGKeyArray], M], keys: Any) -> M:
     except Exception as e:
         raise TypeError(
             f"`make_layer` failed when called on a traced key ({type(e).__name__}: {e}). "
-            "`make_layer` must be traceable: it is called under `jax.jit` with an abstract key, so it "
-            "must build the layer with JAX operations only (no `int(key)`, `np.asarray(key)`, or "
-            "Python control flow on the key's values)."
+            "`make_layer` must be traceable: it is called under `jax.jit` with an abstract key, so "
+            "it must build the layer with JAX operations only (no `int(key)`, `np.asarray(key)`, "
+            "or Python control flow on the key's values)."
         ) from e
     return eqx.combine(dynamic, static_box[0])
 
@@ -254,9 +255,19 @@ def _write_layer(
 ) -> _Leaves:
     leaves = _layer_leaves(make_layer, keys[index], signature)
     return tuple(
-        lax.dynamic_update_index_in_dim(buffer, leaves[j].astype(buffer.dtype), index, 0)
+        _write_slice_traced(buffer, leaves[j], index)
         for buffer, j in zip(buffers, group, strict=True)
     )
+
+
+def _write_slice_traced(buffer: Array, value: Array, index: Any) -> Array:
+    """`buffer` with slice `index` of its leading axis set to `value` cast to its dtype."""
+    if buffer.weak_type:
+        # dynamic_update_slice always returns a strong type; a select of weak operands keeps
+        # the weak type (weakly typed leaves are small: scalars broadcast from Python numbers).
+        is_slice = lax.broadcasted_iota(jnp.int32, buffer.shape, 0) == index
+        return jnp.where(is_slice, value[None], buffer)
+    return lax.dynamic_update_index_in_dim(buffer, value.astype(buffer.dtype), index, 0)
 
 
 _write_layer_donated = jax.jit(_write_layer, static_argnums=(3, 4, 5), donate_argnums=0)
@@ -300,6 +311,10 @@ def _fill_eager(
             )
             for j, buffer in zip(group, filled, strict=True):
                 buffers[j] = buffer
+            # Dispatch is asynchronous and the groups are independent: without waiting, several
+            # writes run at once and their temporaries add up.
+            jax.block_until_ready(filled)
+            release_freed_host_memory()
 
 
 def _compile_writes(
@@ -308,15 +323,49 @@ def _compile_writes(
     make_layer: Callable[[PRNGKeyArray], Any],
     signature: _StaticSignature,
     groups: tuple[tuple[int, ...], ...],
-) -> None:
-    # Compiling before the buffers exist keeps the compiler's own transient memory from
-    # stacking on top of the final model in the peak.
+) -> list[Any]:
+    """Compiles the write of every group (a cache hit when built before) and returns them."""
     index = jax.ShapeDtypeStruct((), jnp.int32, weak_type=True)
-    for group in groups:
-        group_structs = tuple(structs[j] for j in group)
+    return [
         _write_layer_donated.lower(
-            group_structs, keys, index, make_layer, signature, group
+            tuple(structs[j] for j in group), keys, index, make_layer, signature, group
         ).compile()
+        for group in groups
+    ]
+
+
+def write_temp_bytes(
+    make_layer: Callable[[PRNGKeyArray], Any], keys: PRNGKeyArray, dtype: DtypePolicy = None
+) -> list[int]:
+    """XLA temporary bytes of each compiled per-layer write of `build_stacked`, largest first."""
+    _num_layers_of_keys(keys)
+    abstract = _abstract_layer(make_layer, keys)
+    layout = _Layout.of(abstract)
+    structs = _target_structs(layout, keys.shape[0], check_dtype_policy(dtype))
+    compiled = _compile_writes(
+        structs, keys, make_layer, _StaticSignature(abstract), _leaf_groups(layout.structs)
+    )
+    return sorted((c.memory_analysis().temp_size_in_bytes for c in compiled), reverse=True)
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+def release_freed_host_memory() -> None:
+    """Returns memory that glibc's allocator holds but no longer uses to the operating system.
+
+    XLA's CPU temporaries are freed after every write, but glibc keeps freed heap chunks (and
+    raises its mmap threshold after the first large free), so without this the resident size
+    creeps up by one write's temporaries every few layers. A no-op off glibc.
+    """
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 def _inside_trace() -> bool:
@@ -341,7 +390,7 @@ def _progress(num_layers: int, enabled: bool) -> Iterator[int]:
 
 def _delete(arrays: Sequence[Any]) -> None:
     for x in arrays:
-        if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and not x.is_deleted():
+        if isinstance(x, jax.Array) and not x.is_deleted():
             x.delete()
 
 
@@ -398,12 +447,15 @@ def build_stacked(
     structs = _target_structs(layout, num_layers, dtype)
     groups = _leaf_groups(layout.structs)
 
-    if _inside_trace() or isinstance(keys, jax.core.Tracer):
+    if _inside_trace():
         buffers = [_zeros_like_struct(s) for s in structs]
         _fill_traced(buffers, keys, make_layer, signature, groups)
         return layout.combine(buffers)
 
+    # Compiling before the buffers exist keeps the compiler's own transient memory from
+    # stacking on top of the final model in the peak.
     _compile_writes(structs, keys, make_layer, signature, groups)
+    release_freed_host_memory()
     buffers = list(_allocate(structs, sharding))
     try:
         _fill_eager(buffers, keys, make_layer, signature, groups, _progress(num_layers, progress))
@@ -431,9 +483,7 @@ def _check_same_layout(layers: Sequence[Any], layouts: Sequence[_Layout]) -> Non
                 )
 
 
-@functools.partial(jax.jit, donate_argnums=0)
-def _write_slice(buffer: Array, value: Array, index: Any) -> Array:
-    return lax.dynamic_update_index_in_dim(buffer, value.astype(buffer.dtype), index, 0)
+_write_slice = jax.jit(_write_slice_traced, donate_argnums=0)
 
 
 def stack(layers: Sequence[M], dtype: DtypePolicy = None, *, consume: bool = False) -> M:
@@ -482,12 +532,13 @@ def _num_layers_of_stack(dynamic: Any) -> int:
     if not leaves:
         raise ValueError("`stacked` has no array leaves, so it has no layer axis.")
     lengths = {np.shape(x)[0] if np.ndim(x) else None for x in leaves}
-    if len(lengths) != 1 or None in lengths:
+    (length,) = lengths if len(lengths) == 1 else (None,)
+    if length is None:
         raise ValueError(
             "`stacked` must have one leading layer axis of the same length on every array leaf; "
             f"found leading axes {sorted(str(n) for n in lengths)}."
         )
-    return lengths.pop()
+    return length
 
 
 def layer_at(stacked: M, index: int | Array) -> M:

@@ -1,7 +1,7 @@
 """Dtype policies: which dtype each array leaf of a layer is stored in."""
 
 from collections.abc import Callable
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, TypeGuard, cast
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +22,9 @@ def _as_floating_dtype(value: Any, what: str) -> np.dtype:
     try:
         dtype = jnp.dtype(value)
     except TypeError as e:
-        raise TypeError(f"{what} must be a floating dtype such as jnp.bfloat16; got {value!r}.") from e
+        raise TypeError(
+            f"{what} must be a floating dtype such as jnp.bfloat16; got {value!r}."
+        ) from e
     if not is_floating(dtype):
         raise ValueError(
             f"{what} must be a floating dtype such as jnp.bfloat16 (integer, boolean, complex and "
@@ -38,12 +40,12 @@ def check_dtype_policy(dtype: DtypePolicy) -> DtypePolicy:
     return _as_floating_dtype(dtype, "`dtype`")
 
 
-def _is_rule(dtype: DtypePolicy) -> bool:
+def _is_rule(dtype: DtypePolicy) -> TypeGuard[DtypeRule]:
     # Dtype-likes such as `jnp.bfloat16` are callable too, so "callable" alone is not the test.
     if not callable(dtype):
         return False
     try:
-        jnp.dtype(dtype)
+        jnp.dtype(cast(Any, dtype))
     except TypeError:
         return True
     return False
@@ -56,11 +58,11 @@ def leaf_dtype(dtype: DtypePolicy, path: KeyPath, leaf: jax.ShapeDtypeStruct) ->
     """
     weak = bool(getattr(leaf, "weak_type", False))
     if dtype is None or not is_floating(leaf.dtype):
-        return leaf.dtype, weak
+        return jnp.dtype(leaf.dtype), weak
     if _is_rule(dtype):
         chosen = dtype(path, leaf)
         if chosen is None:
             return leaf.dtype, weak
         where = f"the `dtype` rule's result for leaf {jax.tree_util.keystr(path)}"
         return _as_floating_dtype(chosen, where), False
-    return jnp.dtype(dtype), False
+    return jnp.dtype(cast(Any, dtype)), False

@@ -1,0 +1,1 @@
+"""`python -m eqx_lean.bench`: peak memory of stacked-layer construction, side by side."""
