@@ -3,16 +3,25 @@
 import ctypes
 import functools
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar, cast
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import Mesh, NamedSharding, Sharding
 from jaxtyping import Array, PRNGKeyArray
 
-from ._policy import DtypePolicy, check_dtype_policy, leaf_dtype
+from ._policy import (
+    DtypePolicy,
+    ShardingPolicy,
+    check_dtype_policy,
+    has_explicit_axes,
+    leaf_dtype,
+    resolve_shardings,
+    stacked_sharding,
+)
 
 
 M = TypeVar("M")
@@ -161,25 +170,46 @@ def _zeros_like_struct(struct: jax.ShapeDtypeStruct) -> Array:
     return jnp.zeros(struct.shape, struct.dtype)
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _zeros(structs: tuple[jax.ShapeDtypeStruct, ...]) -> _Leaves:
-    return tuple(_zeros_like_struct(s) for s in structs)
+_Structs = tuple[jax.ShapeDtypeStruct, ...]
+_Shardings = tuple[Sharding | None, ...]
 
 
-def _allocate(structs: tuple[jax.ShapeDtypeStruct, ...], sharding: Any) -> _Leaves:
-    if sharding is not None:
-        raise NotImplementedError(
-            "`sharding` is not supported yet; pass `sharding=None` (the stack is built on the "
-            "default device)."
-        )
-    return _zeros(structs)
+@functools.cache
+def _zeros(structs: _Structs, shardings: _Shardings) -> Callable[[], _Leaves]:
+    # Created under `jit` with its output shardings, each device allocates only its shards.
+    return jax.jit(
+        lambda: tuple(_zeros_like_struct(s) for s in structs),
+        out_shardings=tuple(stacked_sharding(s) for s in shardings),
+    )
+
+
+def _allocate(structs: _Structs, shardings: _Shardings) -> _Leaves:
+    """Zero-filled stacked buffers; `shardings` are per layer (the layer axis is replicated)."""
+    return _zeros(structs, shardings)()
+
+
+def _constrain(x: Array, sharding: Sharding | None, *, inside_auto_axes: bool = False) -> Array:
+    """Constrains a traced array to `sharding`, whichever kind of mesh axes it names."""
+    if sharding is None:
+        return x
+    if inside_auto_axes and isinstance(sharding, NamedSharding):
+        return lax.with_sharding_constraint(x, sharding.spec)
+    if has_explicit_axes(sharding):
+        return jax.sharding.reshard(x, sharding)
+    return lax.with_sharding_constraint(x, sharding)
+
+
+def _resolve_shardings(layout: _Layout, sharding: ShardingPolicy, mesh: Any) -> _Shardings:
+    return resolve_shardings(sharding, mesh, layout.paths, layout.structs, layout.treedef)
 
 
 def allocate_stacked(
     abstract_layer: M,
     num_layers: int,
     dtype: DtypePolicy = None,
-    sharding: Any = None,
+    sharding: ShardingPolicy = None,
+    *,
+    mesh: Mesh | None = None,
 ) -> M:
     """Allocates zero-filled stacked buffers for `num_layers` copies of a layer.
 
@@ -196,7 +226,9 @@ def allocate_stacked(
     - `dtype`: `None` keeps each leaf's dtype; a floating dtype casts every floating leaf; a
         callable `(path, leaf) -> dtype | None` chooses per floating leaf. Integer, boolean,
         complex and key-typed leaves are never cast.
-    - `sharding`: reserved for partitioned allocation; must be `None` for now.
+    - `sharding`: each leaf's sharding within one layer, as for [`eqx_lean.build_stacked`][];
+        the layer axis is replicated. Each device allocates only its shards.
+    - `mesh`: the mesh that `PartitionSpec`s in `sharding` refer to.
 
     **Returns:**
 
@@ -207,7 +239,7 @@ def allocate_stacked(
         raise ValueError(f"`num_layers` must be a positive integer; got {num_layers!r}.")
     layout = _Layout.of(abstract_layer)
     structs = _target_structs(layout, int(num_layers), check_dtype_policy(dtype))
-    return layout.combine(_allocate(structs, sharding))
+    return layout.combine(_allocate(structs, _resolve_shardings(layout, sharding, mesh)))
 
 
 def _leaf_groups(structs: Sequence[jax.ShapeDtypeStruct]) -> tuple[tuple[int, ...], ...]:
@@ -245,19 +277,37 @@ def _layer_leaves(
     return [jnp.asarray(x) for x in jax.tree.leaves(eqx.filter(layer, eqx.is_array))]
 
 
+class _Group(NamedTuple):
+    """Which leaves one compiled write builds, and their per-layer shardings."""
+
+    leaves: tuple[int, ...]
+    shardings: _Shardings
+
+
 def _write_layer(
     buffers: _Leaves,
     keys: Any,
     index: Any,
     make_layer: Callable[[PRNGKeyArray], Any],
     signature: _StaticSignature,
-    group: tuple[int, ...],
+    group: _Group,
 ) -> _Leaves:
-    leaves = _layer_leaves(make_layer, keys[index], signature)
-    return tuple(
-        _write_slice_traced(buffer, leaves[j], index)
-        for buffer, j in zip(buffers, group, strict=True)
-    )
+    explicit = any(has_explicit_axes(s) for s in group.shardings)
+
+    def write(buffers, keys, index):
+        leaves = _layer_leaves(make_layer, keys[index], signature)
+        return tuple(
+            # Constraining the fresh leaf makes each device build only its shard of it.
+            _write_slice_traced(buffer, _constrain(leaves[j], s, inside_auto_axes=explicit), index)
+            for buffer, j, s in zip(buffers, group.leaves, group.shardings, strict=True)
+        )
+
+    if not explicit:
+        return write(buffers, keys, index)
+    # With Explicit mesh axes, a layer built outside `auto_axes` would be replicated first.
+    out_sharding = tuple(stacked_sharding(s) for s in group.shardings)
+    write_auto = cast(Any, jax.sharding.auto_axes(write, out_sharding=out_sharding))
+    return write_auto(buffers, keys, index)
 
 
 def _write_slice_traced(buffer: Array, value: Array, index: Any) -> Array:
@@ -278,7 +328,7 @@ def _fill_traced(
     keys: Any,
     make_layer: Callable[[PRNGKeyArray], Any],
     signature: _StaticSignature,
-    groups: tuple[tuple[int, ...], ...],
+    groups: tuple[_Group, ...],
 ) -> None:
     """Fills the buffers with one `fori_loop` per group, for use inside an outer trace."""
     for group in groups:
@@ -289,9 +339,9 @@ def _fill_traced(
             0,
             keys.shape[0],
             lambda i, bufs, body=body: body(bufs, keys, i),
-            tuple(buffers[j] for j in group),
+            tuple(buffers[j] for j in group.leaves),
         )
-        for j, buffer in zip(group, filled, strict=True):
+        for j, buffer in zip(group.leaves, filled, strict=True):
             buffers[j] = buffer
 
 
@@ -300,16 +350,16 @@ def _fill_eager(
     keys: Any,
     make_layer: Callable[[PRNGKeyArray], Any],
     signature: _StaticSignature,
-    groups: tuple[tuple[int, ...], ...],
+    groups: tuple[_Group, ...],
     layers: Iterator[int],
 ) -> None:
     """Fills the buffers by calling one compiled, donating write per group and layer."""
     for i in layers:
         for group in groups:
             filled = _write_layer_donated(
-                tuple(buffers[j] for j in group), keys, i, make_layer, signature, group
+                tuple(buffers[j] for j in group.leaves), keys, i, make_layer, signature, group
             )
-            for j, buffer in zip(group, filled, strict=True):
+            for j, buffer in zip(group.leaves, filled, strict=True):
                 buffers[j] = buffer
             # Dispatch is asynchronous and the groups are independent: without waiting, several
             # writes run at once and their temporaries add up.
@@ -317,34 +367,70 @@ def _fill_eager(
             release_freed_host_memory()
 
 
-def _compile_writes(
-    structs: tuple[jax.ShapeDtypeStruct, ...],
-    keys: Any,
-    make_layer: Callable[[PRNGKeyArray], Any],
-    signature: _StaticSignature,
-    groups: tuple[tuple[int, ...], ...],
-) -> list[Any]:
+class _Plan(NamedTuple):
+    """Everything `build_stacked` derives from its arguments before it allocates."""
+
+    layout: _Layout
+    signature: _StaticSignature
+    structs: _Structs
+    shardings: _Shardings
+    groups: tuple[_Group, ...]
+
+    @classmethod
+    def make(
+        cls,
+        make_layer: Callable[[PRNGKeyArray], Any],
+        keys: Any,
+        dtype: DtypePolicy,
+        sharding: ShardingPolicy,
+        mesh: Mesh | None,
+    ) -> "_Plan":
+        num_layers = _num_layers_of_keys(keys)
+        dtype = check_dtype_policy(dtype)
+        abstract = _abstract_layer(make_layer, keys)
+        layout = _Layout.of(abstract)
+        shardings = _resolve_shardings(layout, sharding, mesh)
+        groups = tuple(
+            _Group(leaves, tuple(shardings[j] for j in leaves))
+            for leaves in _leaf_groups(layout.structs)
+        )
+        structs = _target_structs(layout, num_layers, dtype)
+        return cls(layout, _StaticSignature(abstract), structs, shardings, groups)
+
+    def buffer_structs(self, group: _Group) -> _Structs:
+        return tuple(
+            jax.ShapeDtypeStruct(
+                self.structs[j].shape,
+                self.structs[j].dtype,
+                weak_type=self.structs[j].weak_type,
+                sharding=stacked_sharding(self.shardings[j]),
+            )
+            for j in group.leaves
+        )
+
+
+def _compile_writes(plan: _Plan, keys: Any, make_layer: Callable[[PRNGKeyArray], Any]) -> list[Any]:
     """Compiles the write of every group (a cache hit when built before) and returns them."""
     index = jax.ShapeDtypeStruct((), jnp.int32, weak_type=True)
     return [
         _write_layer_donated.lower(
-            tuple(structs[j] for j in group), keys, index, make_layer, signature, group
+            plan.buffer_structs(group), keys, index, make_layer, plan.signature, group
         ).compile()
-        for group in groups
+        for group in plan.groups
     ]
 
 
 def write_temp_bytes(
-    make_layer: Callable[[PRNGKeyArray], Any], keys: PRNGKeyArray, dtype: DtypePolicy = None
+    make_layer: Callable[[PRNGKeyArray], Any],
+    keys: PRNGKeyArray,
+    dtype: DtypePolicy = None,
+    sharding: ShardingPolicy = None,
+    *,
+    mesh: Mesh | None = None,
 ) -> list[int]:
-    """XLA temporary bytes of each compiled per-layer write of `build_stacked`, largest first."""
-    _num_layers_of_keys(keys)
-    abstract = _abstract_layer(make_layer, keys)
-    layout = _Layout.of(abstract)
-    structs = _target_structs(layout, keys.shape[0], check_dtype_policy(dtype))
-    compiled = _compile_writes(
-        structs, keys, make_layer, _StaticSignature(abstract), _leaf_groups(layout.structs)
-    )
+    """XLA temporary bytes (per device) of each compiled per-layer write, largest first."""
+    plan = _Plan.make(make_layer, keys, dtype, sharding, mesh)
+    compiled = _compile_writes(plan, keys, make_layer)
     return sorted((c.memory_analysis().temp_size_in_bytes for c in compiled), reverse=True)
 
 
@@ -398,8 +484,9 @@ def build_stacked(
     make_layer: Callable[[PRNGKeyArray], M],
     keys: PRNGKeyArray,
     dtype: DtypePolicy = None,
-    sharding: Any = None,
+    sharding: ShardingPolicy = None,
     *,
+    mesh: Mesh | None = None,
     progress: bool = False,
 ) -> M:
     """Builds `L` layers stacked on a leading axis, one layer at a time.
@@ -431,7 +518,15 @@ def build_stacked(
         chooses per floating leaf, given its key path and its per-layer `ShapeDtypeStruct` (for
         example, to keep norms in float32). Integer, boolean, complex and key leaves are never
         cast.
-    - `sharding`: reserved for partitioned construction; must be `None` for now.
+    - `sharding`: how each leaf of one layer is sharded (the layer axis is always replicated,
+        so that `lax.scan` can slice it): `None` (default placement); one `Sharding` or
+        `PartitionSpec` for every leaf; a pytree prefix of the layer with `Sharding`s,
+        `PartitionSpec`s or `None`s; or a rule `(path, leaf) -> Sharding | PartitionSpec | None`
+        given each leaf's key path and per-layer `ShapeDtypeStruct`, such as
+        [`eqx_lean.fsdp`][]. Buffers are allocated directly sharded and each layer is built
+        sharded, so no device holds more than its shards of the stack plus its shard of one
+        layer. Meshes with `Auto` or `Explicit` axes both work.
+    - `mesh`: the `jax.sharding.Mesh` that `PartitionSpec`s in `sharding` refer to.
     - `progress`: show a tqdm progress bar over the layers (needs `tqdm`).
 
     **Returns:**
@@ -439,30 +534,27 @@ def build_stacked(
     A layer of the same type as `make_layer`'s output, each array leaf stacked on a new leading
     axis of length `L`, static fields intact.
     """
-    num_layers = _num_layers_of_keys(keys)
-    dtype = check_dtype_policy(dtype)
-    abstract = _abstract_layer(make_layer, keys)
-    signature = _StaticSignature(abstract)
-    layout = _Layout.of(abstract)
-    structs = _target_structs(layout, num_layers, dtype)
-    groups = _leaf_groups(layout.structs)
-
+    plan = _Plan.make(make_layer, keys, dtype, sharding, mesh)
     if _inside_trace():
-        buffers = [_zeros_like_struct(s) for s in structs]
-        _fill_traced(buffers, keys, make_layer, signature, groups)
-        return layout.combine(buffers)
+        buffers = [
+            _constrain(_zeros_like_struct(struct), stacked_sharding(s))
+            for struct, s in zip(plan.structs, plan.shardings, strict=True)
+        ]
+        _fill_traced(buffers, keys, make_layer, plan.signature, plan.groups)
+        return plan.layout.combine(buffers)
 
     # Compiling before the buffers exist keeps the compiler's own transient memory from
     # stacking on top of the final model in the peak.
-    _compile_writes(structs, keys, make_layer, signature, groups)
+    _compile_writes(plan, keys, make_layer)
     release_freed_host_memory()
-    buffers = list(_allocate(structs, sharding))
+    buffers = list(_allocate(plan.structs, plan.shardings))
+    layers = _progress(len(keys), progress)
     try:
-        _fill_eager(buffers, keys, make_layer, signature, groups, _progress(num_layers, progress))
+        _fill_eager(buffers, keys, make_layer, plan.signature, plan.groups, layers)
     except BaseException:
         _delete(buffers)
         raise
-    return layout.combine(buffers)
+    return plan.layout.combine(buffers)
 
 
 def _check_same_layout(layers: Sequence[Any], layouts: Sequence[_Layout]) -> None:
@@ -518,7 +610,7 @@ def stack(layers: Sequence[M], dtype: DtypePolicy = None, *, consume: bool = Fal
 
     stacked = []
     for j, struct in enumerate(structs):
-        buffer = _zeros((struct,))[0]
+        buffer = _allocate((struct,), (None,))[0]
         for i, leaves in enumerate(sources):
             buffer = _write_slice(buffer, leaves[j], i)
             if consume and last_use[id(leaves[j])] == (i, j):

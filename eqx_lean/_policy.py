@@ -1,11 +1,14 @@
-"""Dtype policies: which dtype each array leaf of a layer is stored in."""
+"""Per-leaf policies: the dtype and the sharding each array leaf of a layer is stored with."""
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeAlias, TypeGuard, cast
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import AxisType, NamedSharding, PartitionSpec, Sharding
+from jaxtyping import PyTree
 
 
 DtypeLike: TypeAlias = Any
@@ -66,3 +69,164 @@ def leaf_dtype(dtype: DtypePolicy, path: KeyPath, leaf: jax.ShapeDtypeStruct) ->
         where = f"the `dtype` rule's result for leaf {jax.tree_util.keystr(path)}"
         return _as_floating_dtype(chosen, where), False
     return jnp.dtype(cast(Any, dtype)), False
+
+
+# --- sharding ---------------------------------------------------------------------------------
+
+ShardingLike: TypeAlias = Sharding | PartitionSpec | None
+ShardingRule: TypeAlias = Callable[[KeyPath, jax.ShapeDtypeStruct], ShardingLike]
+ShardingPolicy: TypeAlias = ShardingLike | ShardingRule | PyTree[ShardingLike]
+
+
+def _is_sharding_leaf(x: Any) -> bool:
+    # A PartitionSpec is a tuple, and so a pytree node, unless it is named a leaf.
+    return x is None or isinstance(x, Sharding | PartitionSpec)
+
+
+def _per_leaf(
+    sharding: ShardingPolicy,
+    paths: Sequence[KeyPath],
+    structs: Sequence[jax.ShapeDtypeStruct],
+    treedef: Any,
+) -> list[Any]:
+    if _is_sharding_leaf(sharding):
+        return [sharding] * len(structs)
+    if callable(sharding) and not isinstance(sharding, eqx.Module):
+        return [sharding(path, struct) for path, struct in zip(paths, structs, strict=True)]
+    layer_of_structs = jax.tree.unflatten(treedef, structs)
+    try:
+        full = jax.tree_util.tree_broadcast(sharding, layer_of_structs, is_leaf=_is_sharding_leaf)
+    except (ValueError, TypeError) as e:
+        raise ValueError(
+            "`sharding` must be one Sharding or PartitionSpec, a rule `(path, leaf) -> sharding`, "
+            "or a pytree prefix of the layer's array leaves whose leaves are Shardings, "
+            f"PartitionSpecs or None; it does not match the layer: {e}"
+        ) from e
+    return jax.tree.leaves(full, is_leaf=_is_sharding_leaf)
+
+
+def _mesh_axis_size(mesh: Any, axes: Any) -> int:
+    names = axes if isinstance(axes, tuple) else (axes,)
+    return int(np.prod([mesh.shape[name] for name in names]))
+
+
+def _check_spec(
+    path: KeyPath, struct: jax.ShapeDtypeStruct, spec: PartitionSpec, mesh: Any
+) -> None:
+    where = f"leaf {jax.tree_util.keystr(path)} of shape {tuple(struct.shape)} with spec {spec}"
+    if len(spec) > len(struct.shape):
+        raise ValueError(f"`sharding`: {where} names more dimensions than the leaf has.")
+    for size, axes in zip(struct.shape, spec, strict=False):
+        if axes is None:
+            continue
+        for name in axes if isinstance(axes, tuple) else (axes,):
+            if name not in mesh.shape:
+                raise ValueError(
+                    f"`sharding`: {where} names mesh axis {name!r}, which is not one of the "
+                    f"mesh's axes {tuple(mesh.axis_names)}."
+                )
+        if size % _mesh_axis_size(mesh, axes) != 0:
+            raise ValueError(
+                f"`sharding`: {where}: dimension of size {size} is not divisible by the "
+                f"{_mesh_axis_size(mesh, axes)} devices of mesh axes {axes!r}."
+            )
+
+
+def _one_layer_sharding(
+    path: KeyPath, struct: jax.ShapeDtypeStruct, sharding: ShardingLike, mesh: Any
+) -> Sharding | None:
+    if sharding is None:
+        return None
+    if isinstance(sharding, PartitionSpec):
+        if mesh is None:
+            raise ValueError(
+                f"`sharding` gives leaf {jax.tree_util.keystr(path)} a PartitionSpec, which needs "
+                "a device mesh: pass `mesh=` (or give NamedShardings)."
+            )
+        sharding = NamedSharding(mesh, sharding)
+    if isinstance(sharding, NamedSharding):
+        _check_spec(path, struct, sharding.spec, sharding.mesh)
+        return sharding
+    if isinstance(sharding, Sharding) and sharding.is_fully_replicated:
+        return sharding
+    raise TypeError(
+        f"`sharding` for leaf {jax.tree_util.keystr(path)} must be a NamedSharding, a "
+        f"PartitionSpec, a fully replicated Sharding, or None; got {sharding!r}."
+    )
+
+
+def resolve_shardings(
+    sharding: ShardingPolicy,
+    mesh: Any,
+    paths: Sequence[KeyPath],
+    structs: Sequence[jax.ShapeDtypeStruct],
+    treedef: Any,
+) -> tuple[Sharding | None, ...]:
+    """Each leaf's per-layer sharding (no layer axis) under the policy `sharding`.
+
+    **Arguments:**
+
+    - `sharding`: `None`; one `Sharding` or `PartitionSpec` for every leaf; a rule
+        `(path, leaf) -> Sharding | PartitionSpec | None`; or a pytree prefix of the layer.
+    - `mesh`: the `jax.sharding.Mesh` that `PartitionSpec`s refer to.
+    - `paths`, `structs`, `treedef`: the layer's array leaves, as flattened.
+
+    **Returns:**
+
+    One sharding (or `None`: default placement) per leaf.
+    """
+    if sharding is None:
+        return (None,) * len(structs)
+    chosen = _per_leaf(sharding, paths, structs, treedef)
+    return tuple(
+        _one_layer_sharding(path, struct, leaf_sharding, mesh)
+        for path, struct, leaf_sharding in zip(paths, structs, chosen, strict=True)
+    )
+
+
+def stacked_sharding(sharding: Sharding | None) -> Sharding | None:
+    """The sharding of a stacked leaf: the per-layer one, with a replicated layer axis in front."""
+    if isinstance(sharding, NamedSharding):
+        return NamedSharding(sharding.mesh, PartitionSpec(None, *sharding.spec))
+    return sharding
+
+
+def has_explicit_axes(sharding: Sharding | None) -> bool:
+    if not isinstance(sharding, NamedSharding):
+        return False
+    return any(t == AxisType.Explicit for t in sharding.mesh.axis_types)
+
+
+def fsdp(mesh: Any, axis: str | tuple[str, ...] = "data") -> ShardingRule:
+    """A sharding rule that shards each leaf's largest divisible dimension over `axis`.
+
+    For `build_stacked(..., sharding=eqx_lean.fsdp(mesh))`: every leaf of one layer is split
+    along its largest dimension whose size the mesh axis divides (the first such, on ties), and
+    replicated where none does (norms, biases, scalars).
+
+    **Arguments:**
+
+    - `mesh`: the `jax.sharding.Mesh` to shard over.
+    - `axis`: the mesh axis name (or tuple of names) to shard over.
+
+    **Returns:**
+
+    A rule `(path, leaf) -> NamedSharding`.
+    """
+    names = axis if isinstance(axis, tuple) else (axis,)
+    missing = [name for name in names if name not in mesh.shape]
+    if missing:
+        raise ValueError(f"`axis` {missing} is not an axis of the mesh {tuple(mesh.axis_names)}.")
+    devices = _mesh_axis_size(mesh, axis)
+
+    def rule(path: KeyPath, leaf: jax.ShapeDtypeStruct) -> NamedSharding:
+        del path
+        divisible = [d for d, size in enumerate(leaf.shape) if size % devices == 0 and size > 0]
+        if not divisible or devices == 1:
+            return NamedSharding(mesh, PartitionSpec())
+        dim = max(divisible, key=lambda d: (leaf.shape[d], -d))
+        spec: list[str | tuple[str, ...] | None] = [None] * len(leaf.shape)
+        spec[dim] = axis
+        return NamedSharding(mesh, PartitionSpec(*spec))
+
+    return rule

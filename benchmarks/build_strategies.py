@@ -1,0 +1,88 @@
+"""How `build_stacked` writes layers: per-group compiled writes versus one compiled loop.
+
+For one configuration, compiles each candidate strategy and prints XLA's `memory_analysis()`
+(temporary bytes on top of the donated, aliased stack) and the compile time. The chosen
+strategy, one donated write per group of leaves called once per layer, has the smallest
+temporaries: XLA removes what a write does not return, so a group builds only its own leaves.
+
+    python benchmarks/build_strategies.py [--preset default|large|mistral7b]
+"""
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+
+from eqx_lean import _build
+from eqx_lean.bench._models import PRESETS, Block
+
+
+MiB = 2**20
+
+
+def _report(name: str, lowered) -> None:
+    start = time.perf_counter()
+    compiled = lowered.compile()
+    seconds = time.perf_counter() - start
+    analysis = compiled.memory_analysis()
+    print(
+        f"| {name} | {analysis.temp_size_in_bytes / MiB:.0f} MiB "
+        f"| {analysis.alias_size_in_bytes / MiB:.0f} MiB | {seconds:.2f} s |"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="default")
+    config = PRESETS[parser.parse_args().preset]
+    keys = jax.random.split(jax.random.key(0), config.num_layers)
+
+    def make(k):
+        return Block(config, key=k)
+
+    abstract = _build._abstract_layer(make, keys)
+    signature = _build._StaticSignature(abstract)
+    layout = _build._Layout.of(abstract)
+    structs = _build._target_structs(layout, config.num_layers, jnp.bfloat16)
+    groups = _build._leaf_groups(layout.structs)
+    every_leaf = tuple(range(len(structs)))
+    index = jax.ShapeDtypeStruct((), jnp.int32, weak_type=True)
+    final = sum(s.size * s.dtype.itemsize for s in structs)
+    print(f"{config}: final {final / MiB:.0f} MiB in bfloat16, groups {groups}\n")
+    print("| strategy | XLA temp | aliased | compile |")
+    print("| --- | --- | --- | --- |")
+
+    for group in groups:
+        group_structs = tuple(structs[j] for j in group)
+        lowered = _build._write_layer_donated.lower(
+            group_structs, keys, index, make, signature, group
+        )
+        _report(f"per-group write, leaves {group} (chosen)", lowered)
+
+    lowered = _build._write_layer_donated.lower(structs, keys, index, make, signature, every_leaf)
+    _report("whole-layer write, called per layer", lowered)
+
+    def group_loops(buffers, keys):
+        buffers = list(buffers)
+        _build._fill_traced(buffers, keys, make, signature, groups)
+        return tuple(buffers)
+
+    _report(
+        "one program: a fori_loop per group",
+        jax.jit(group_loops, donate_argnums=0).lower(structs, keys),
+    )
+
+    def whole_layer_loop(buffers, keys):
+        buffers = list(buffers)
+        _build._fill_traced(buffers, keys, make, signature, (every_leaf,))
+        return tuple(buffers)
+
+    _report(
+        "one program: a fori_loop over whole layers",
+        jax.jit(whole_layer_loop, donate_argnums=0).lower(structs, keys),
+    )
+
+
+if __name__ == "__main__":
+    main()
