@@ -11,7 +11,7 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array, PRNGKeyArray
 
-from ._policy import DtypePolicy, check_dtype_policy, leaf_dtype
+from ._policy import check_dtype_policy, DtypePolicy, leaf_dtype
 
 
 M = TypeVar("M")
