@@ -334,7 +334,7 @@ def table(rows: list[dict]) -> str:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--small", action="store_true", help="a quick 0.3 GiB configuration")
     parser.add_argument("--dir", type=Path, help="where to write the checkpoint (default: temp)")
     parser.add_argument("--keep", action="store_true", help="keep the checkpoint afterwards")

@@ -6,6 +6,7 @@ Tensor names follow a template per leaf, such as Hugging Face's
 `"model.layers.{i}.self_attn.q_proj.weight"`, where `{i}` is the layer index.
 """
 
+import concurrent.futures
 import contextlib
 import ctypes
 import dataclasses
@@ -440,6 +441,19 @@ class _Maps:
         flat = np.frombuffer(self._maps[tensor.file], tensor.dtype, count, tensor.start)
         return flat.reshape(tensor.shape)
 
+    def release(self, tensor: _Tensor) -> None:
+        """Unmaps a tensor's pages from this process; they stay in the page cache.
+
+        Without this, every page read would count in the process's resident memory until the
+        end of the load, looking like a second copy of the model (it is not one: the kernel can
+        drop those pages at any time). Pages re-read later fault back in from the cache.
+        """
+        m = self._maps.get(tensor.file)
+        if m is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        start = tensor.start - tensor.start % mmap.PAGESIZE
+        m.madvise(mmap.MADV_DONTNEED, start, tensor.stop - start)
+
     def close(self) -> None:
         for m in self._maps.values():
             # Fails while an array still views the map (JAX may keep zero-copy inputs alive a
@@ -616,11 +630,86 @@ def _bounded(index: Any, shape: tuple[int, ...]) -> tuple[slice, ...]:
     return tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape, strict=True))
 
 
-def _shard_zeros(target: jax.ShapeDtypeStruct, shard: _Shard) -> Array:
+def _shard_struct(target: jax.ShapeDtypeStruct, shard: _Shard) -> jax.ShapeDtypeStruct:
     shape = tuple(s.stop - s.start for s in shard.region)
-    if shard.device is None:
-        return _zeros((jax.ShapeDtypeStruct(shape, target.dtype),))[0]
-    return jnp.zeros(shape, target.dtype, device=shard.device)
+    return _struct_on(shape, target.dtype, shard.device)
+
+
+def _struct_on(shape: tuple[int, ...], dtype: Any, device: Any) -> jax.ShapeDtypeStruct:
+    sharding = None if device is None else jax.sharding.SingleDeviceSharding(device)
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+
+@functools.cache
+def _zeros_on(device: Any) -> Callable[[tuple[jax.ShapeDtypeStruct, ...]], tuple[Array, ...]]:
+    def zeros(structs: tuple[jax.ShapeDtypeStruct, ...]) -> tuple[Array, ...]:
+        return tuple(jnp.zeros(x.shape, x.dtype) for x in structs)
+
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    return jax.jit(zeros, static_argnums=0, out_shardings=sharding)
+
+
+def _allocate_shards(
+    targets: Mapping[int, jax.ShapeDtypeStruct], shards: Mapping[int, Sequence[_Shard]]
+) -> dict[int, list[Array]]:
+    """Zero-filled buffers for every shard, made by one computation per device."""
+    by_device: dict[Any, list[tuple[int, int]]] = {}
+    for j in targets:
+        for s, shard in enumerate(shards[j]):
+            by_device.setdefault(shard.device, []).append((j, s))
+    buffers: dict[int, list[Any]] = {j: [None] * len(shards[j]) for j in targets}
+    for device, where in by_device.items():
+        structs = tuple(
+            jax.ShapeDtypeStruct(
+                tuple(r.stop - r.start for r in shards[j][s].region), targets[j].dtype
+            )
+            for j, s in where
+        )
+        made = _zeros(structs) if device is None else _zeros_on(device)(structs)
+        for (j, s), buffer in zip(where, made, strict=True):
+            buffers[j][s] = buffer
+    return buffers
+
+
+def _row_pieces(shard: _Shard, itemsize: int) -> list[slice]:
+    """Rows of a plain leaf's shard, in pieces of at most `_CHUNK_BYTES` (stored dtype)."""
+    rows, rest = shard.region[0], shard.region[1:]
+    row_bytes = max(1, math.prod(s.stop - s.start for s in rest) * itemsize)
+    step = max(1, _CHUNK_BYTES // row_bytes)
+    return [slice(a, min(a + step, rows.stop)) for a in range(rows.start, rows.stop, step)]
+
+
+def _write_signatures(leaf: _LoadLeaf, shard: _Shard, stored: np.dtype) -> set[tuple[Any, ...]]:
+    """The compiled writes that filling `shard` of `leaf` calls: (function, buffer, value)."""
+    assert leaf.name is not None
+    buffer = _shard_struct(leaf.target, shard)
+    if leaf.name.stacked:
+        return {(_write_layer, buffer, _struct_on(buffer.shape[1:], stored, shard.device))}
+    if not shard.region:  # a scalar: cast and placed without a compiled write
+        return set()
+    rest = buffer.shape[1:]
+    return {
+        (_write_rows, buffer, _struct_on((p.stop - p.start, *rest), stored, shard.device))
+        for p in _row_pieces(shard, stored.itemsize)
+    }
+
+
+def _compile_writes(signatures: set[tuple[Any, ...]]) -> None:
+    # Compiling before the buffers exist keeps the compiler's transient memory out of the
+    # peak; compiling in threads overlaps the compilations (one per shape and device).
+    index = jax.ShapeDtypeStruct((), jnp.int32, weak_type=True)
+
+    def compile_one(signature: tuple[Any, ...]) -> None:
+        write, buffer, value = signature
+        write.lower(buffer, value, index).compile()
+
+    workers = min(len(signatures), os.cpu_count() or 1)
+    if workers <= 1:
+        for signature in signatures:
+            compile_one(signature)
+        return
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        list(pool.map(compile_one, signatures))
 
 
 def _host_slice(stored: np.ndarray, name: TensorName, index: tuple[slice, ...]) -> np.ndarray:
@@ -680,13 +769,9 @@ def _fill_plain(leaf: _LoadLeaf, shard: _Shard, buffer: Array, stored: np.ndarra
     if not shard.region:  # a scalar
         value = jnp.asarray(_host_slice(stored, leaf.name, ()))
         return jax.device_put(value.astype(leaf.target.dtype), shard.device)
-    rows, rest = shard.region[0], shard.region[1:]
-    row_bytes = max(1, math.prod(s.stop - s.start for s in rest) * stored.dtype.itemsize)
-    step = max(1, _CHUNK_BYTES // row_bytes)
-    for start in range(rows.start, rows.stop, step):
-        chunk = (slice(start, min(start + step, rows.stop)), *rest)
-        value = _put(_host_slice(stored, leaf.name, chunk), shard.device)
-        buffer = _write_rows(buffer, value, start - rows.start)
+    for piece in _row_pieces(shard, stored.dtype.itemsize):
+        value = _put(_host_slice(stored, leaf.name, (piece, *shard.region[1:])), shard.device)
+        buffer = _write_rows(buffer, value, piece.start - shard.region[0].start)
         buffer.block_until_ready()
     return buffer
 
@@ -702,48 +787,64 @@ def _fill_layer(
     return buffer
 
 
+def _fill_tensor(
+    leaf: _LoadLeaf,
+    shards: Sequence[_Shard],
+    buffers: list[Array],
+    tensor: _Tensor,
+    maps: _Maps,
+    layer: int | None,
+) -> None:
+    """Copies one stored tensor (a whole plain leaf, or one layer) into every shard needing it."""
+    stored = maps.view(tensor)
+    for s, shard in enumerate(shards):
+        if layer is None:
+            buffers[s] = _fill_plain(leaf, shard, buffers[s], stored)
+        elif shard.region[0].start <= layer < shard.region[0].stop:
+            buffers[s] = _fill_layer(leaf, shard, buffers[s], stored, layer)
+    del stored
+    maps.release(tensor)
+
+
+def _assemble(leaf: _LoadLeaf, buffers: list[Array]) -> Array:
+    if leaf.sharding is None:
+        return buffers[0]
+    return jax.make_array_from_single_device_arrays(leaf.target.shape, leaf.sharding, buffers)
+
+
 def _load_into(
     leaves: Sequence[_LoadLeaf], checkpoint: _Checkpoint, num_layers: int | None, maps: _Maps
 ) -> list[Any]:
-    named = [j for j, leaf in enumerate(leaves) if leaf.name is not None]
+    named = {j: leaf.name for j, leaf in enumerate(leaves) if leaf.name is not None}
     shards = {j: _shards_of(leaves[j]) for j in named}
-    buffers: dict[int, list[Array]] = {}
+    _compile_writes(
+        {
+            signature
+            for j, name in named.items()
+            for shard in shards[j]
+            for signature in _write_signatures(
+                leaves[j], shard, checkpoint.tensors[name.at(0 if name.stacked else None)].dtype
+            )
+        }
+    )
+    buffers = _allocate_shards({j: leaves[j].target for j in named}, shards)
     try:
-        for j in named:
-            buffers[j] = [_shard_zeros(leaves[j].target, shard) for shard in shards[j]]
-        for j in named:
-            leaf = leaves[j]
-            assert leaf.name is not None
-            if not leaf.name.stacked:
-                stored = maps.view(checkpoint.tensors[leaf.name.at(None)])
-                for s, shard in enumerate(shards[j]):
-                    buffers[j][s] = _fill_plain(leaf, shard, buffers[j][s], stored)
+        for j, name in named.items():
+            if not name.stacked:
+                tensor = checkpoint.tensors[name.at(None)]
+                _fill_tensor(leaves[j], shards[j], buffers[j], tensor, maps, None)
+        # Layer by layer, in the order the files hold them.
         for layer in range(num_layers or 0):
-            for j in named:
-                leaf = leaves[j]
-                assert leaf.name is not None
-                if not leaf.name.stacked:
-                    continue
-                stored = maps.view(checkpoint.tensors[leaf.name.at(layer)])
-                for s, shard in enumerate(shards[j]):
-                    if shard.region[0].start <= layer < shard.region[0].stop:
-                        buffers[j][s] = _fill_layer(leaf, shard, buffers[j][s], stored, layer)
+            for j, name in named.items():
+                if name.stacked:
+                    tensor = checkpoint.tensors[name.at(layer)]
+                    _fill_tensor(leaves[j], shards[j], buffers[j], tensor, maps, layer)
     except BaseException:
         _delete([b for bs in buffers.values() for b in bs])
         raise
-    loaded = []
-    for j, leaf in enumerate(leaves):
-        if leaf.name is None:
-            loaded.append(leaf.source)
-        elif leaf.sharding is None:
-            loaded.append(buffers[j][0])
-        else:
-            loaded.append(
-                jax.make_array_from_single_device_arrays(
-                    leaf.target.shape, leaf.sharding, buffers[j]
-                )
-            )
-    return loaded
+    return [
+        _assemble(leaf, buffers[j]) if j in named else leaf.source for j, leaf in enumerate(leaves)
+    ]
 
 
 def _load(path: Any, like: Any, names: Any, dtype: DtypePolicy, sharding: Any, fn: str) -> Any:

@@ -581,7 +581,7 @@ def no_allocation(monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("a buffer was allocated")
 
-    monkeypatch.setattr(_io, "_shard_zeros", fail)
+    monkeypatch.setattr(_io, "_allocate_shards", fail)
 
 
 def test_missing_tensors_are_listed_with_a_count(saved):
