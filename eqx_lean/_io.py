@@ -1067,8 +1067,40 @@ def _aligned_first(records: Sequence[_Record]) -> list[_Record]:
     return sorted(records, key=lambda r: r.nbytes % _ALIGN != 0)
 
 
+@jax.jit
+def _layer_bits(array: Array, layer: Any) -> Array:
+    # As bits, for the reason given in `_update_rows`; the bitcast fuses into the slice.
+    bits = _as_bits(array) if is_floating(array.dtype) else array
+    return lax.dynamic_index_in_dim(bits, layer, 0, keepdims=False)
+
+
+def _host_layer(array: jax.Array, layer: int, dtype: np.dtype) -> np.ndarray:
+    """One layer of a stacked array, gathered on the host from the shards holding it.
+
+    Only that layer moves, whatever the sharding: slicing a layer out of an array sharded
+    on its layer axis could otherwise make XLA gather the whole array.
+    """
+    if len(array.sharding.device_set) == 1:
+        return np.asarray(_layer_bits(array, layer)).view(dtype)
+    value = np.empty(array.shape[1:], dtype)
+    done = set()
+    for shard in array.addressable_shards:
+        region = _bounded(shard.index, array.shape)
+        key = tuple((r.start, r.stop) for r in region[1:])
+        if region[0].start <= layer < region[0].stop and key not in done:
+            part = _layer_bits(shard.data, layer - region[0].start)
+            value[region[1:]] = np.asarray(part).view(dtype)
+            done.add(key)
+    return value
+
+
 def _host_tensor(array: Any, record: _Record) -> np.ndarray:
-    value = np.asarray(array if record.layer is None else array[record.layer])
+    if record.layer is None:
+        value = np.asarray(array)
+    elif isinstance(array, jax.Array):
+        value = _host_layer(array, record.layer, record.dtype)
+    else:
+        value = np.asarray(array[record.layer])
     if record.inverse is not None:
         value = value.transpose(record.inverse)
     return np.ascontiguousarray(value)
