@@ -21,7 +21,7 @@ import sys
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple, TypeAlias, TypeGuard, TypeVar
+from typing import Any, NamedTuple, TypeGuard, TypeVar
 
 import equinox as eqx
 import jax
@@ -120,10 +120,6 @@ class TensorName:
         for axis, size in zip(self.transpose, shape, strict=True):
             stored[axis] = size
         return tuple(stored)
-
-
-Name: TypeAlias = str | TensorName | None
-NameRule: TypeAlias = Callable[[KeyPath, jax.ShapeDtypeStruct], Name]
 
 
 def _is_name_leaf(x: Any) -> bool:
@@ -449,7 +445,7 @@ class _Maps:
         drop those pages at any time). Pages re-read later fault back in from the cache.
         """
         m = self._maps.get(tensor.file)
-        if m is None or not hasattr(mmap, "MADV_DONTNEED"):
+        if m is None or tensor.stop <= tensor.start or not hasattr(mmap, "MADV_DONTNEED"):
             return
         start = tensor.start - tensor.start % mmap.PAGESIZE
         m.madvise(mmap.MADV_DONTNEED, start, tensor.stop - start)
@@ -553,8 +549,6 @@ def _check_sharding(path: KeyPath, sharding: jax.sharding.Sharding, shape: tuple
             f"The sharding for leaf {jax.tree_util.keystr(path)} must fit its shape "
             f"{list(shape)}: {e}"
         ) from None
-    if not sharding.is_fully_addressable and jax.process_count() == 1:  # pragma: no cover
-        raise ValueError(f"The sharding for leaf {jax.tree_util.keystr(path)} is not addressable.")
 
 
 def _tensor_problems(
@@ -1207,6 +1201,8 @@ def _save(
     fn: str,
 ) -> None:
     path = Path(path)
+    if path.is_symlink():
+        path = path.resolve()  # replace the directory it points to, not the link
     merged = _check_save_arguments(path, max_shard_bytes, metadata)
     arrays, records = _plan_records(tree, names, fn)
     for x in arrays:

@@ -508,6 +508,15 @@ def test_sharded_load_on_8_devices_equals_unsharded(tmp_path):
             assert array.sharding.is_equivalent_to(shardings[k], array.ndim), k
             np.testing.assert_array_equal(np.asarray(array), reference[k])
 
+        # A sharding that does not divide its leaf is refused before anything is read.
+        bad = dict(shardings, v=NamedSharding(mesh, P(("a", "b"), None)))  # 4 layers, 8 devices
+        try:
+            eqx_lean.load_tensors(path, like, names, sharding=bad)
+        except ValueError as e:
+            assert "The sharding for leaf ['v'] must fit its shape [4, 8]" in str(e), e
+        else:
+            raise AssertionError("an indivisible sharding was accepted")
+
         # Saving sharded arrays writes the same tensors (w was cast to bfloat16 on loading).
         eqx_lean.save_tensors({str(tmp_path / "resaved")!r}, sharded, names, max_shard_bytes=999)
         resaved = {{}}
