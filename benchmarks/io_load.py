@@ -22,7 +22,8 @@ Methods:
   Equinox user writes today.
 
 Usage (the default is the issue's configuration: 40 blocks, d=2048, hidden 7168, 16 heads, 4 KV
-heads, 4.06 GiB in bfloat16; it needs ~9 GiB of memory at its peak, in `naive_stack`):
+heads, 4.06 GiB in bfloat16; it needs ~14 GiB of memory at its peak, in `naive_stack` (3.4 x);
+the other methods stay under ~5.5 GiB):
 
     python benchmarks/io_load.py            # full size
     python benchmarks/io_load.py --small    # 0.30 GiB, a quick check
