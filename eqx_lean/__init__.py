@@ -7,6 +7,13 @@ from ._build import (
     stack as stack,
     unstack as unstack,
 )
+from ._io import (
+    TensorName as TensorName,
+    load_stacked as load_stacked,
+    load_tensors as load_tensors,
+    save_stacked as save_stacked,
+    save_tensors as save_tensors,
+)
 
 
 __version__ = "0.1.0"

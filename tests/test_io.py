@@ -1,0 +1,832 @@
+import functools
+import inspect
+import json
+import os
+import signal
+import struct
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+import safetensors.numpy
+from safetensors import safe_open
+
+import eqx_lean
+from eqx_lean import _io
+
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+class Block(eqx.Module):
+    attn: eqx.nn.Linear
+    mlp: eqx.nn.Linear
+    norm: jax.Array
+    position: jax.Array
+
+    def __init__(self, *, key):
+        k1, k2, k3, k4 = jax.random.split(key, 4)
+        self.attn = eqx.nn.Linear(8, 8, use_bias=False, key=k1)
+        self.mlp = eqx.nn.Linear(8, 12, key=k2)
+        self.norm = 1 + jax.random.normal(k3, (8,))
+        self.position = jax.random.randint(k4, (3,), 0, 100)
+
+
+HF_BLOCK = {
+    ".attn.weight": "model.layers.{i}.self_attn.q_proj.weight",
+    ".mlp.weight": "model.layers.{i}.mlp.up_proj.weight",
+    ".mlp.bias": "model.layers.{i}.mlp.up_proj.bias",
+    ".norm": "model.layers.{i}.input_layernorm.weight",
+    ".position": "model.layers.{i}.position",
+}
+
+
+def hf_names(path, leaf):
+    return HF_BLOCK[jax.tree_util.keystr(path)]
+
+
+def make_block(key):
+    return Block(key=key)
+
+
+def keep_norm_f32(path, leaf):
+    return jnp.float32 if jax.tree_util.keystr(path) == ".norm" else jnp.bfloat16
+
+
+def arrays(tree):
+    return jax.tree.leaves(eqx.filter(tree, eqx.is_array))
+
+
+def bits(x) -> np.ndarray:
+    x = np.asarray(x)
+    return x.view(f"u{x.dtype.itemsize}") if x.dtype.kind in "fV" else x
+
+
+def assert_bitwise_equal(a, b):
+    la, lb = arrays(a), arrays(b)
+    assert len(la) == len(lb)
+    for x, y in zip(la, lb, strict=True):
+        assert x.shape == y.shape and x.dtype == y.dtype, (x.shape, x.dtype, y.shape, y.dtype)
+        np.testing.assert_array_equal(bits(x), bits(y))
+
+
+def random_like(tree, dtype, seed):
+    """Random arrays shaped like `tree`'s leaves, floating ones cast to `dtype` (or a rule)."""
+    rng = np.random.default_rng(seed)
+
+    def fill(path, x):
+        if not isinstance(x, jax.ShapeDtypeStruct):
+            return x
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            return jnp.asarray(rng.integers(0, 100, x.shape, dtype=x.dtype))
+        target = dtype(path, x) if inspect.isfunction(dtype) else dtype
+        return jnp.asarray(rng.standard_normal(x.shape, dtype=np.float32).astype(target))
+
+    return jax.tree_util.tree_map_with_path(fill, tree)
+
+
+def abstract(tree):
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if eqx.is_array(x) else x, tree
+    )
+
+
+@functools.cache
+def build(num_layers, dtype, seed=0):
+    """A stacked Block of random values and its abstract twin (never mutated by the tests)."""
+    keys = jax.random.split(jax.random.key(0), num_layers)
+    stacked = random_like(eqx.filter_eval_shape(eqx.filter_vmap(make_block), keys), dtype, seed)
+    return stacked, abstract(stacked)
+
+
+def write_header_file(path, header: dict, data: bytes, header_len=None):
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    length = len(raw) if header_len is None else header_len
+    path.write_bytes(struct.pack("<Q", length) + raw + data)
+
+
+def run_script(code: str, tmp_path: Path, devices: int = 8) -> str:
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(code))
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["PYTHONPATH"] = str(REPO)
+    env["JAX_PLATFORMS"] = "cpu"
+    result = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
+# --------------------------------------------------------------------------------------------
+# Round trips
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32, keep_norm_f32])
+def test_round_trip_is_bitwise_exact(dtype, tmp_path):
+    stacked, like = build(4, dtype)
+    eqx_lean.save_stacked(tmp_path / "ckpt", stacked, hf_names)
+    loaded = eqx_lean.load_stacked(tmp_path / "ckpt", like, hf_names)
+    assert_bitwise_equal(loaded, stacked)
+    assert type(loaded) is Block
+
+
+def test_round_trip_into_the_abstract_twin_of_build_stacked(tmp_path):
+    # The abstract target as the docs suggest building it.
+    keys = jax.random.split(jax.random.key(3), 3)
+    like = eqx.filter_eval_shape(eqx_lean.build_stacked, make_block, keys, keep_norm_f32)
+    stacked = random_like(like, keep_norm_f32, seed=3)
+    eqx_lean.save_stacked(tmp_path / "ckpt", stacked, hf_names)
+    loaded = eqx_lean.load_stacked(tmp_path / "ckpt", like, hf_names)
+    assert_bitwise_equal(loaded, stacked)
+    assert type(loaded) is Block
+
+
+def test_round_trip_through_several_files_with_index(tmp_path):
+    stacked, like = build(5, keep_norm_f32)
+    eqx_lean.save_stacked(tmp_path / "ckpt", stacked, hf_names, max_shard_bytes=300)
+    files = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    assert "model.safetensors.index.json" in files
+    shards = [f for f in files if f.endswith(".safetensors")]
+    assert len(shards) > 2
+    assert shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    assert_bitwise_equal(eqx_lean.load_stacked(tmp_path / "ckpt", like, hf_names), stacked)
+
+
+def test_saved_files_are_read_by_safetensors_itself(tmp_path):
+    stacked, _ = build(3, keep_norm_f32)
+    eqx_lean.save_stacked(tmp_path / "ckpt", stacked, hf_names, max_shard_bytes=400)
+    index = json.loads((tmp_path / "ckpt" / "model.safetensors.index.json").read_text())
+    expected = {HF_BLOCK[k].format(i=i) for k in HF_BLOCK for i in range(3)}
+    assert set(index["weight_map"]) == expected
+    leaves = {
+        ".attn.weight": stacked.attn.weight,
+        ".mlp.weight": stacked.mlp.weight,
+        ".mlp.bias": stacked.mlp.bias,
+        ".norm": stacked.norm,
+        ".position": stacked.position,
+    }
+    seen = set()
+    for file in set(index["weight_map"].values()):
+        tensors = safetensors.numpy.load_file(tmp_path / "ckpt" / file)
+        with safe_open(tmp_path / "ckpt" / file, "numpy") as f:
+            assert f.metadata() == {"format": "pt"}
+        for name, value in tensors.items():
+            assert index["weight_map"][name] == file
+            key, layer = next(
+                (k, i) for k in HF_BLOCK for i in range(3) if HF_BLOCK[k].format(i=i) == name
+            )
+            reference = np.asarray(leaves[key][layer])
+            assert value.dtype == reference.dtype
+            np.testing.assert_array_equal(bits(value), bits(reference))
+            seen.add(name)
+    assert seen == expected
+    assert index["metadata"]["total_size"] == sum(x.nbytes for x in arrays(stacked))
+
+
+def test_single_file_has_no_index(tmp_path):
+    stacked, _ = build(2, jnp.bfloat16)
+    eqx_lean.save_stacked(tmp_path / "ckpt", stacked, hf_names, metadata={"note": "x"})
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["model.safetensors"]
+    with safe_open(tmp_path / "ckpt" / "model.safetensors", "numpy") as f:
+        assert f.metadata() == {"format": "pt", "note": "x"}
+        assert len(list(f.keys())) == 2 * len(HF_BLOCK)
+
+
+def test_saved_tensors_start_64_byte_aligned(tmp_path):
+    # Aligned tensors are used in place from the page cache when loading on CPU.
+    stacked = {"odd": jnp.zeros((3, 5), jnp.bfloat16), "w": jnp.ones((3, 32, 4), jnp.float32)}
+    eqx_lean.save_stacked(tmp_path / "ckpt", stacked, {"odd": "odd.{i}", "w": "w.{i}"})
+    raw = (tmp_path / "ckpt" / "model.safetensors").read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + length])
+    starts = {
+        n: 8 + length + e["data_offsets"][0] for n, e in header.items() if n != "__metadata__"
+    }
+    assert all(starts[f"w.{i}"] % 64 == 0 for i in range(3)), starts
+    loaded = safetensors.numpy.load_file(tmp_path / "ckpt" / "model.safetensors")
+    assert sorted(loaded) == sorted(starts)
+
+
+def test_load_from_files_written_by_safetensors_casts_and_transposes(tmp_path, getkey):
+    rng = np.random.default_rng(0)
+    num_layers = 3
+    q = rng.standard_normal((num_layers, 8, 8), dtype=np.float32)
+    up = rng.standard_normal((num_layers, 12, 8), dtype=np.float32)
+    bias = rng.standard_normal((num_layers, 12), dtype=np.float32)
+    norm = rng.standard_normal((num_layers, 8), dtype=np.float32).astype(np.float16)
+    position = rng.integers(0, 100, (num_layers, 3), dtype=np.int32)
+    # The up-projection is stored as [in, out], the transpose of eqx.nn.Linear's layout.
+    first = {f"model.layers.{i}.self_attn.q_proj.weight": q[i] for i in range(num_layers)}
+    first |= {f"model.layers.{i}.mlp.up_proj.weight": up[i].T.copy() for i in range(num_layers)}
+    second = {f"model.layers.{i}.mlp.up_proj.bias": bias[i] for i in range(num_layers)}
+    second |= {f"model.layers.{i}.input_layernorm.weight": norm[i] for i in range(num_layers)}
+    second |= {f"model.layers.{i}.position": position[i] for i in range(num_layers)}
+    safetensors.numpy.save_file(first, tmp_path / "a.safetensors")
+    safetensors.numpy.save_file(second, tmp_path / "b.safetensors")
+    index = {
+        "weight_map": {n: "a.safetensors" for n in first} | {n: "b.safetensors" for n in second}
+    }
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+
+    names: dict[str, str | eqx_lean.TensorName] = dict(HF_BLOCK)
+    names[".mlp.weight"] = eqx_lean.TensorName(HF_BLOCK[".mlp.weight"], transpose=(1, 0))
+    _, like = build(num_layers, keep_norm_f32)
+    loaded = eqx_lean.load_stacked(tmp_path, like, lambda p, _: names[jax.tree_util.keystr(p)])
+
+    bf16 = ml_dtypes.bfloat16
+    expected = {
+        "q": q.astype(bf16),
+        "up": up.astype(bf16),
+        "bias": bias.astype(bf16),
+        "norm": norm.astype(np.float32),
+        "position": position,
+    }
+    found = {
+        "q": loaded.attn.weight,
+        "up": loaded.mlp.weight,
+        "bias": loaded.mlp.bias,
+        "norm": loaded.norm,
+        "position": loaded.position,
+    }
+    for key, value in expected.items():
+        assert found[key].dtype == value.dtype, key
+        np.testing.assert_array_equal(bits(found[key]), bits(value))
+
+
+class Model(eqx.Module):
+    embed: eqx.nn.Embedding
+    blocks: Block
+    norm: jax.Array
+    head: eqx.nn.Linear
+
+    def __init__(self, num_layers, *, key):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.embed = eqx.nn.Embedding(37, 8, key=k1)
+        self.blocks = eqx.filter_vmap(make_block)(jax.random.split(k2, num_layers))
+        self.norm = jnp.ones(8)
+        self.head = eqx.nn.Linear(8, 37, use_bias=False, key=k3)
+
+
+def random_model(num_layers):
+    like = eqx.filter_eval_shape(Model, num_layers, key=jax.random.key(1))
+    return random_like(like, jnp.float32, 1)
+
+
+HF_MODEL = {
+    ".embed.weight": "model.embed_tokens.weight",
+    ".norm": "model.norm.weight",
+    ".head.weight": "lm_head.weight",
+} | {".blocks" + k: v for k, v in HF_BLOCK.items()}
+
+
+def hf_model_names(path, leaf):
+    return HF_MODEL[jax.tree_util.keystr(path)]
+
+
+def test_whole_model_with_plain_tensors_round_trips(tmp_path, monkeypatch):
+    # Tiny pieces force plain tensors to be copied in several pieces, the last one shorter.
+    monkeypatch.setattr(_io, "_CHUNK_BYTES", 5 * 8 * 4)
+    model = random_model(3)
+    eqx_lean.save_tensors(tmp_path / "ckpt", model, hf_model_names, max_shard_bytes=2000)
+    like = eqx.filter_eval_shape(Model, 3, key=jax.random.key(1))
+    loaded = eqx_lean.load_tensors(tmp_path / "ckpt", like, hf_model_names, dtype=jnp.bfloat16)
+    reference = jax.tree.map(
+        lambda x: x.astype(jnp.bfloat16) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+        eqx.filter(model, eqx.is_array),
+    )
+    assert_bitwise_equal(loaded, reference)
+    expected = {v.format(i=i) for v in HF_MODEL.values() for i in range(3)}
+    written = set()
+    for file in (tmp_path / "ckpt").glob("*.safetensors"):
+        written |= set(safetensors.numpy.load_file(file))
+    assert written == expected
+
+
+def test_names_as_a_pytree_built_with_tree_at(tmp_path):
+    stacked, like = build(2, jnp.float32)
+    names = eqx.tree_at(
+        lambda b: (b.attn.weight, b.mlp.weight, b.mlp.bias, b.norm, b.position),
+        like,
+        (
+            "layers.{i}.q",
+            eqx_lean.TensorName("layers.{i}.up", transpose=(1, 0)),
+            "layers.{i}.up_bias",
+            "layers.{i}.norm",
+            "layers.{i}.position",
+        ),
+    )
+    eqx_lean.save_stacked(tmp_path / "ckpt", stacked, names)
+    stored = safetensors.numpy.load_file(tmp_path / "ckpt" / "model.safetensors")
+    assert stored["layers.1.up"].shape == (8, 12)
+    np.testing.assert_array_equal(stored["layers.1.up"], np.asarray(stacked.mlp.weight[1]).T)
+    assert_bitwise_equal(eqx_lean.load_stacked(tmp_path / "ckpt", like, names), stacked)
+
+
+def test_leaf_named_none_is_kept_from_like_and_not_saved(tmp_path):
+    stacked, like = build(2, jnp.float32)
+
+    def names(path, leaf):
+        return None if jax.tree_util.keystr(path) == ".position" else hf_names(path, leaf)
+
+    eqx_lean.save_stacked(tmp_path / "ckpt", stacked, names)
+    assert not any(
+        "position" in n
+        for n in safetensors.numpy.load_file(tmp_path / "ckpt" / "model.safetensors")
+    )
+    like = eqx.tree_at(lambda b: b.position, like, stacked.position)
+    loaded = eqx_lean.load_stacked(tmp_path / "ckpt", like, names)
+    assert loaded.position is stacked.position
+    assert_bitwise_equal(loaded, stacked)
+
+
+def test_loading_never_touches_the_arrays_of_like(tmp_path):
+    stacked, _ = build(3, jnp.bfloat16)
+    eqx_lean.save_stacked(tmp_path / "ckpt", stacked, hf_names)
+    like, _ = build(3, jnp.bfloat16, seed=7)
+    before = [np.asarray(x).copy() for x in arrays(like)]
+    loaded = eqx_lean.load_stacked(tmp_path / "ckpt", like, hf_names)
+    assert_bitwise_equal(loaded, stacked)
+    for x, old in zip(arrays(like), before, strict=True):
+        assert not x.is_deleted()
+        np.testing.assert_array_equal(bits(x), bits(old))
+    for x, y in zip(arrays(loaded), arrays(like), strict=True):
+        assert x is not y
+
+
+def test_save_replaces_weights_and_keeps_other_files(tmp_path):
+    old, like = build(4, jnp.float32, seed=0)
+    new, _ = build(4, jnp.float32, seed=1)
+    eqx_lean.save_stacked(tmp_path / "ckpt", old, hf_names, max_shard_bytes=300)
+    (tmp_path / "ckpt" / "config.json").write_text('{"hidden_size": 8}')
+    (tmp_path / "ckpt" / "tokenizer").mkdir()
+    (tmp_path / "ckpt" / "tokenizer" / "vocab.txt").write_text("a b c")
+    eqx_lean.save_stacked(tmp_path / "ckpt", new, hf_names)
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
+        "config.json",
+        "model.safetensors",
+        "tokenizer",
+    ]
+    assert (tmp_path / "ckpt" / "config.json").read_text() == '{"hidden_size": 8}'
+    assert (tmp_path / "ckpt" / "tokenizer" / "vocab.txt").read_text() == "a b c"
+    assert_bitwise_equal(eqx_lean.load_stacked(tmp_path / "ckpt", like, hf_names), new)
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]  # no temporary left behind
+
+
+def test_save_killed_midway_leaves_previous_checkpoint_loadable(tmp_path):
+    old = {"w": jnp.arange(6 * 16, dtype=jnp.float32).reshape(6, 4, 4)}
+    names = {"w": "layers.{i}.w"}
+    eqx_lean.save_stacked(tmp_path / "ckpt", old, names, max_shard_bytes=64)
+    code = f"""
+        import sys, time
+        import jax.numpy as jnp
+        import eqx_lean
+        from eqx_lean import _io
+
+        write = _io._write_array
+        count = [0]
+
+        def slow_write(f, value):
+            write(f, value)
+            count[0] += 1
+            if count[0] == 3:
+                print("writing", flush=True)
+            time.sleep(0.5)
+
+        _io._write_array = slow_write
+        new = {{"w": -jnp.ones((6, 4, 4), jnp.float32)}}
+        eqx_lean.save_stacked({str(tmp_path / "ckpt")!r}, new, {names!r}, max_shard_bytes=64)
+        print("finished", flush=True)
+    """
+    script = tmp_path / "save.py"
+    script.write_text(textwrap.dedent(code))
+    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
+    child = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
+    )
+    try:
+        assert child.stdout is not None
+        line = child.stdout.readline()
+        assert line == b"writing\n", line + child.stderr.read() if child.stderr else line
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=60)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    assert child.returncode == -signal.SIGKILL
+    # The kill landed mid-save: a partial temporary checkpoint exists beside the old one.
+    temporaries = [p for p in tmp_path.iterdir() if p.name.startswith(".ckpt.tmp-")]
+    assert len(temporaries) == 1 and any(temporaries[0].iterdir())
+    like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), old)
+    assert_bitwise_equal(eqx_lean.load_stacked(tmp_path / "ckpt", like, names), old)
+    # And the next save goes through.
+    eqx_lean.save_stacked(tmp_path / "ckpt", {"w": old["w"] + 1}, names)
+    assert_bitwise_equal(eqx_lean.load_stacked(tmp_path / "ckpt", like, names), {"w": old["w"] + 1})
+
+
+# --------------------------------------------------------------------------------------------
+# Sharding (8 CPU devices, in a subprocess so that the device count can be forced)
+
+
+def test_sharded_load_on_8_devices_equals_unsharded(tmp_path):
+    out = run_script(
+        f"""
+        import pathlib
+        import jax, jax.numpy as jnp, ml_dtypes, numpy as np, safetensors.numpy
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        import eqx_lean
+        from eqx_lean import _io
+
+        assert jax.device_count() == 8
+        rng = np.random.default_rng(0)
+        L = 4
+        w = rng.standard_normal((L, 8, 12), dtype=np.float32)
+        v = rng.standard_normal((L, 8), dtype=np.float32)
+        t = rng.standard_normal((L, 8, 12), dtype=np.float32)  # stored as [12, 8] per layer
+        emb = rng.standard_normal((16, 8), dtype=np.float32)
+        tensors = {{"embed": emb}}
+        for i in range(L):
+            tensors |= {{f"l.{{i}}.w": w[i], f"l.{{i}}.v": v[i], f"l.{{i}}.t": t[i].T.copy()}}
+        safetensors.numpy.save_file(tensors, {str(tmp_path / "m.safetensors")!r})
+
+        names = {{"w": "l.{{i}}.w", "v": "l.{{i}}.v",
+                  "t": eqx_lean.TensorName("l.{{i}}.t", transpose=(1, 0)), "emb": "embed"}}
+        like = {{"w": jax.ShapeDtypeStruct((L, 8, 12), jnp.bfloat16),
+                 "v": jax.ShapeDtypeStruct((L, 8), jnp.float32),
+                 "t": jax.ShapeDtypeStruct((L, 8, 12), jnp.float32),
+                 "emb": jax.ShapeDtypeStruct((16, 8), jnp.float32)}}
+        mesh = jax.make_mesh((2, 4), ("a", "b"))
+        specs = {{"w": P(None, "a", "b"), "v": P("a", "b"), "t": P(None, "b", "a"),
+                  "emb": P("b", None)}}
+        shardings = {{k: NamedSharding(mesh, s) for k, s in specs.items()}}
+
+        reads = []
+        host_slice = _io._host_slice
+        def recording_host_slice(stored, name, index):
+            value = host_slice(stored, name, index)
+            reads.append((name.name, value.shape))
+            return value
+        _io._host_slice = recording_host_slice
+        _io._CHUNK_BYTES = 2 * 8 * 4  # two rows of the embedding at a time
+        path = {str(tmp_path / "m.safetensors")!r}
+        sharded = eqx_lean.load_tensors(path, like, names, sharding=shardings)
+        sharded_reads = list(reads)
+        unsharded = eqx_lean.load_tensors(path, like, names)
+
+        reference = {{"w": w.astype(ml_dtypes.bfloat16), "v": v, "t": t, "emb": emb}}
+        for k, array in sharded.items():
+            assert array.sharding.is_equivalent_to(shardings[k], array.ndim), k
+            assert array.dtype == reference[k].dtype, k
+            np.testing.assert_array_equal(np.asarray(array), np.asarray(unsharded[k]))
+            np.testing.assert_array_equal(np.asarray(array), reference[k])
+            for shard in array.addressable_shards:
+                np.testing.assert_array_equal(np.asarray(shard.data), reference[k][shard.index])
+
+        # Each device reads only its own slice of each layer (or of each piece of a plain tensor).
+        per_layer_shard = {{"l.{{i}}.w": (4, 3), "l.{{i}}.v": (2,), "l.{{i}}.t": (2, 6),
+                            "embed": (2, 8)}}
+        for name, shape in sharded_reads:
+            assert shape == per_layer_shard[name], (name, shape)
+        # v is sharded on its layer axis over "a": 2 layers x 8 devices reads, not 4 x 8.
+        assert sum(name == "l.{{i}}.v" for name, _ in sharded_reads) == 2 * 8
+        assert len(sharded_reads) == L * 8 + 2 * 8 + L * 8 + 2 * 8, len(sharded_reads)
+
+        # A sharding carried by the ShapeDtypeStructs of `like`, as Orbax targets do.
+        like_sharded = {{k: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=shardings[k])
+                         for k, s in like.items()}}
+        again = eqx_lean.load_tensors(path, like_sharded, names)
+        for k, array in again.items():
+            assert array.sharding.is_equivalent_to(shardings[k], array.ndim), k
+            np.testing.assert_array_equal(np.asarray(array), reference[k])
+
+        # A sharding that does not divide its leaf is refused before anything is read.
+        bad = dict(shardings, v=NamedSharding(mesh, P(("a", "b"), None)))  # 4 layers, 8 devices
+        try:
+            eqx_lean.load_tensors(path, like, names, sharding=bad)
+        except ValueError as e:
+            assert "The sharding for leaf ['v'] must fit its shape [4, 8]" in str(e), e
+        else:
+            raise AssertionError("an indivisible sharding was accepted")
+
+        # Saving sharded arrays writes the same tensors (w was cast to bfloat16 on loading).
+        eqx_lean.save_tensors({str(tmp_path / "resaved")!r}, sharded, names, max_shard_bytes=999)
+        resaved = {{}}
+        for f in sorted(pathlib.Path({str(tmp_path / "resaved")!r}).glob("*.safetensors")):
+            resaved |= safetensors.numpy.load_file(f)
+        assert sorted(resaved) == sorted(tensors)
+        for name, value in tensors.items():
+            expected = value.astype(ml_dtypes.bfloat16) if name.endswith(".w") else value
+            assert resaved[name].dtype == expected.dtype, name
+            np.testing.assert_array_equal(resaved[name], expected)
+
+        print("ok")
+        """,
+        tmp_path,
+    )
+    assert out.strip().endswith("ok")
+
+
+def test_one_sharding_for_every_leaf(saved):
+    file, like = saved
+    device = jax.devices()[0]
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    loaded = eqx_lean.load_stacked(file, like, hf_names, sharding=sharding)
+    for x in arrays(loaded):
+        assert x.sharding == sharding and x.committed
+    assert_bitwise_equal(loaded, eqx_lean.load_stacked(file, like, hf_names))
+
+
+def test_orbax_recipe_restores_into_a_sharded_abstract_target(tmp_path):
+    pytest.importorskip("orbax.checkpoint")
+    out = run_script(
+        f"""
+        import equinox as eqx, jax, jax.numpy as jnp, numpy as np
+        import orbax.checkpoint as ocp
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        import eqx_lean
+
+        def make_layer(key):
+            return eqx.nn.MLP(8, 8, 16, 1, key=key)
+
+        keys = jax.random.split(jax.random.key(0), 4)
+        stacked = eqx_lean.build_stacked(make_layer, keys, jnp.bfloat16)
+
+        # Save: the array leaves only; the static part is code, rebuilt on restore.
+        checkpointer = ocp.StandardCheckpointer()
+        checkpointer.save({str(tmp_path / "orbax")!r}, eqx.filter(stacked, eqx.is_array))
+        checkpointer.wait_until_finished()
+
+        # Restore straight into sharded buffers described by an abstract target.
+        mesh = jax.make_mesh((2, 4), ("layers", "model"))
+        abstract = eqx.filter_eval_shape(eqx_lean.build_stacked, make_layer, keys, jnp.bfloat16)
+        def with_sharding(x):
+            spec = P("layers", "model") if x.ndim >= 2 else P("layers")
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
+        params, static = eqx.partition(
+            abstract, lambda x: isinstance(x, jax.ShapeDtypeStruct)
+        )
+        target = jax.tree.map(with_sharding, params)
+        restored = eqx.combine(checkpointer.restore({str(tmp_path / "orbax")!r}, target), static)
+
+        for a, b in zip(jax.tree.leaves(eqx.filter(restored, eqx.is_array)),
+                        jax.tree.leaves(eqx.filter(stacked, eqx.is_array)), strict=True):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            assert len(a.addressable_shards) == 8
+            assert a.addressable_shards[0].data.shape[0] == 2  # 4 layers over 2 devices
+            np.testing.assert_array_equal(np.asarray(a).view(np.uint16),
+                                          np.asarray(b).view(np.uint16))
+        print("ok")
+        """,
+        tmp_path,
+    )
+    assert out.strip().endswith("ok")
+
+
+# --------------------------------------------------------------------------------------------
+# Errors
+
+
+@pytest.fixture
+def saved(tmp_path):
+    stacked, like = build(4, jnp.float32)
+    eqx_lean.save_stacked(tmp_path / "ckpt", stacked, hf_names)
+    return tmp_path / "ckpt" / "model.safetensors", like
+
+
+@pytest.fixture
+def no_allocation(monkeypatch):
+    def fail(*args, **kwargs):
+        raise AssertionError("a buffer was allocated")
+
+    monkeypatch.setattr(_io, "_allocate_shards", fail)
+
+
+def test_missing_tensors_are_listed_with_a_count(saved):
+    file, like = saved
+    _, longer = build(7, jnp.float32)
+    with pytest.raises(KeyError, match=r"15 are missing: 'model\.layers\.4\..*and 10 more"):
+        eqx_lean.load_stacked(file, longer, hf_names)
+
+
+def test_shape_mismatch_names_the_tensor(saved, no_allocation):
+    file, like = saved
+    wrong = eqx.tree_at(lambda b: b.mlp.weight, like, jax.ShapeDtypeStruct((4, 10, 8), jnp.float32))
+    with pytest.raises(
+        ValueError,
+        match=r"'model\.layers\.0\.mlp\.up_proj\.weight' \(for leaf \.mlp\.weight\) in .* has "
+        r"shape \[12, 8\]; expected \[10, 8\]",
+    ):
+        eqx_lean.load_stacked(file, wrong, hf_names)
+
+
+def test_dtype_mismatches_name_the_tensor(saved, no_allocation):
+    file, like = saved
+    as_int = eqx.tree_at(lambda b: b.norm, like, jax.ShapeDtypeStruct((4, 8), jnp.int32))
+    with pytest.raises(
+        ValueError, match=r"input_layernorm.weight.* has dtype float32; expected int32"
+    ):
+        eqx_lean.load_stacked(file, as_int, hf_names)
+    as_float = eqx.tree_at(lambda b: b.position, like, jax.ShapeDtypeStruct((4, 3), jnp.float32))
+    with pytest.raises(ValueError, match=r"position.* has dtype int32; expected a floating dtype"):
+        eqx_lean.load_stacked(file, as_float, hf_names)
+
+
+def test_file_truncated_by_one_byte_fails_before_allocating(saved, no_allocation):
+    file, like = saved
+    data = file.read_bytes()
+    file.write_bytes(data[:-1])
+    with pytest.raises(
+        ValueError, match=r"not a valid safetensors file: .* the file holds only .* \(1 missing\)"
+    ):
+        eqx_lean.load_stacked(file, like, hf_names)
+
+
+def test_file_with_trailing_bytes_is_refused(saved, no_allocation):
+    file, like = saved
+    file.write_bytes(file.read_bytes() + b"\0")
+    with pytest.raises(ValueError, match=r"1 unexpected trailing bytes"):
+        eqx_lean.load_stacked(file, like, hf_names)
+
+
+@pytest.mark.parametrize(
+    "header, data, header_len, match",
+    [
+        (
+            {"x": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}},
+            b"\0" * 8,
+            10**12,
+            "header length field says",
+        ),
+        (
+            {"x": {"dtype": "Q7", "shape": [2], "data_offsets": [0, 8]}},
+            b"\0" * 8,
+            None,
+            "has dtype 'Q7'",
+        ),
+        (
+            {"x": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}},
+            b"\0" * 8,
+            None,
+            r"needs 12 bytes but its data_offsets \[0, 8\] span 8",
+        ),
+        (
+            {"x": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}},
+            b"\0" * 8,
+            None,
+            "non-negative integers",
+        ),
+        (
+            {
+                "x": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
+                "y": {"dtype": "F32", "shape": [1], "data_offsets": [8, 12]},
+            },
+            b"\0" * 12,
+            None,
+            "without gaps or overlaps",
+        ),
+        ({"x": [1, 2]}, b"", None, "is not an object"),
+        ([1, 2], b"", None, "header is not a JSON object"),
+    ],
+)
+def test_structurally_invalid_files_are_refused(
+    tmp_path, no_allocation, header, data, header_len, match
+):
+    file = tmp_path / "bad.safetensors"
+    write_header_file(file, header, data, header_len)
+    like = {"x": jax.ShapeDtypeStruct((2,), jnp.float32)}
+    with pytest.raises(ValueError, match=match):
+        eqx_lean.load_tensors(file, like, {"x": "x"})
+
+
+def test_header_that_is_not_json_is_refused(tmp_path, no_allocation):
+    file = tmp_path / "bad.safetensors"
+    file.write_bytes(struct.pack("<Q", 8) + b"{not json")
+    with pytest.raises(ValueError, match="header is not valid UTF-8 JSON"):
+        eqx_lean.load_tensors(file, {"x": jax.ShapeDtypeStruct((), jnp.float32)}, {"x": "x"})
+
+
+def test_tiny_file_is_refused(tmp_path):
+    file = tmp_path / "bad.safetensors"
+    file.write_bytes(b"\1\0")
+    with pytest.raises(ValueError, match="fewer than the 8-byte header length"):
+        eqx_lean.load_tensors(file, {"x": jax.ShapeDtypeStruct((), jnp.float32)}, {"x": "x"})
+
+
+@pytest.mark.parametrize("name", ["pytorch_model.bin", "model.pt", "weights.pth"])
+def test_pickle_checkpoints_are_refused_with_a_conversion_hint(tmp_path, name):
+    (tmp_path / name).write_bytes(b"PK\x03\x04 whatever")
+    like = {"x": jax.ShapeDtypeStruct((), jnp.float32)}
+    for path in (tmp_path / name, tmp_path):
+        with pytest.raises(
+            ValueError, match=r"pickle checkpoint.*save_pretrained\(dst, safe_serialization=True\)"
+        ):
+            eqx_lean.load_tensors(path, like, {"x": "x"})
+
+
+def test_pickle_disguised_as_safetensors_is_refused(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"\x80\x02}q\x00." + b"\0" * 8)
+    with pytest.raises(ValueError, match="pickle checkpoint"):
+        eqx_lean.load_tensors(tmp_path, {"x": jax.ShapeDtypeStruct((), jnp.float32)}, {"x": "x"})
+
+
+def test_directory_without_weights_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="has no model.safetensors.index.json and no"):
+        eqx_lean.load_tensors(tmp_path, {"x": jax.ShapeDtypeStruct((), jnp.float32)}, {"x": "x"})
+    with pytest.raises(FileNotFoundError, match="must name existing files"):
+        eqx_lean.load_tensors(tmp_path / "nope.safetensors", {}, {})
+    with pytest.raises(TypeError, match="`path` must be a safetensors file"):
+        eqx_lean.load_tensors(3, {}, {})  # pyright: ignore[reportArgumentType]
+
+
+def test_inconsistent_index_is_refused(tmp_path):
+    safetensors.numpy.save_file({"x": np.zeros(2, np.float32)}, tmp_path / "a.safetensors")
+    like = {"x": jax.ShapeDtypeStruct((2,), jnp.float32)}
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"x": "b.safetensors"}}))
+    with pytest.raises(ValueError, match="refers to b.safetensors, which does not exist"):
+        eqx_lean.load_tensors(tmp_path, like, {"x": "x"})
+    index.write_text(json.dumps({"weight_map": {"x": "a.safetensors", "y": "a.safetensors"}}))
+    with pytest.raises(ValueError, match="as the file holding tensor 'y', but that file has no"):
+        eqx_lean.load_tensors(tmp_path, like, {"x": "x"})
+    index.write_text("[]")
+    with pytest.raises(ValueError, match="must be a JSON object with a `weight_map`"):
+        eqx_lean.load_tensors(tmp_path, like, {"x": "x"})
+
+
+def test_tensor_stored_twice_is_refused(tmp_path):
+    for f in ("a", "b"):
+        safetensors.numpy.save_file({"x": np.zeros(2, np.float32)}, tmp_path / f"{f}.safetensors")
+    with pytest.raises(ValueError, match="'x' is stored twice"):
+        eqx_lean.load_tensors(tmp_path, {"x": jax.ShapeDtypeStruct((2,), jnp.float32)}, {"x": "x"})
+
+
+def test_bad_names_are_refused(saved):
+    file, like = saved
+    with pytest.raises(ValueError, match=r"has none at leaf \.attn\.weight"):
+        eqx_lean.load_stacked(file, like, {"attn": {"weight": "model.layers.{i}.q"}})
+    with pytest.raises(
+        TypeError,
+        match=r"must be a str, an `eqx_lean.TensorName` or None for leaf \.attn\.weight; got int",
+    ):
+        eqx_lean.load_stacked(file, like, lambda p, _: 3)
+    with pytest.raises(
+        ValueError,
+        match=r"`load_stacked` needs every name to be a template with \{i\}.*use `load_tensors`",
+    ):
+        eqx_lean.load_stacked(file, like, lambda p, _: "model.norm.weight")
+    with pytest.raises(ValueError, match=r"`TensorName.transpose` must be a permutation"):
+        eqx_lean.TensorName("x", transpose=(0, 0))
+    with pytest.raises(TypeError, match=r"`TensorName.name` must be a non-empty string"):
+        eqx_lean.TensorName("")
+    with pytest.raises(ValueError, match=r"must permute all 2 axes .* per layer; got \(0,\)"):
+        eqx_lean.load_stacked(
+            file, like, lambda p, leaf: eqx_lean.TensorName(hf_names(p, leaf), transpose=(0,))
+        )
+    with pytest.raises(ValueError, match=r"holds only its shape there"):
+        eqx_lean.load_stacked(file, like, lambda p, leaf: None)
+    mixed = {
+        "a": jax.ShapeDtypeStruct((2, 3), jnp.float32),
+        "b": jax.ShapeDtypeStruct((4, 3), jnp.float32),
+    }
+    with pytest.raises(ValueError, match=r"same leading layer axis.*2 at \['a'\], 4 at \['b'\]"):
+        eqx_lean.load_tensors(file, mixed, {"a": "a.{i}", "b": "b.{i}"})
+    with pytest.raises(ValueError, match=r"is a scalar, so it has no layer axis"):
+        eqx_lean.load_tensors(file, {"a": jax.ShapeDtypeStruct((), jnp.float32)}, {"a": "a.{i}"})
+
+
+def test_bad_sharding_is_refused(saved):
+    file, like = saved
+    with pytest.raises(TypeError, match=r"`sharding` must be one `jax.sharding.Sharding`"):
+        eqx_lean.load_stacked(file, like, hf_names, sharding=jax.tree.map(lambda _: "x", like))
+
+
+def test_bad_save_arguments_are_refused(tmp_path):
+    stacked, like = build(2, jnp.float32)
+    with pytest.raises(
+        ValueError, match=r"leaves \.attn\.weight and \.mlp\.weight are both named 'w\.0'"
+    ):
+        eqx_lean.save_stacked(tmp_path / "c", stacked, lambda p, _: "w.{i}")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="`path` must be a directory"):
+        eqx_lean.save_stacked(tmp_path / "file", stacked, hf_names)
+    with pytest.raises(TypeError, match="has `jax.ShapeDtypeStruct` leaves"):
+        eqx_lean.save_stacked(tmp_path / "c", like, hf_names)
+    with pytest.raises(ValueError, match="`max_shard_bytes` must be a positive integer"):
+        eqx_lean.save_stacked(tmp_path / "c", stacked, hf_names, max_shard_bytes=0)
+    with pytest.raises(TypeError, match="`metadata` must map strings to strings"):
+        eqx_lean.save_stacked(tmp_path / "c", stacked, hf_names, metadata={"a": 1})  # pyright: ignore
+    with pytest.raises(ValueError, match="`save_stacked` needs every name to be a template"):
+        eqx_lean.save_stacked(
+            tmp_path / "c", stacked, lambda p, _: "plain" + jax.tree_util.keystr(p)
+        )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
