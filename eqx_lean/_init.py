@@ -36,6 +36,10 @@ _DEFAULT_MAX_CHUNK_BYTES = 2**20
 
 _INITIALIZERS = jax.nn.initializers
 
+# Each `jax.nn.initializers` factory returns a closure; its code object says which factory made
+# it, whatever the settings, and (for `variance_scaling`) its cells hold those settings. That is
+# how `chunked` tells an initializer it can cut into tiles from one it cannot.
+
 
 def _code_of(factory_result: Any) -> Any:
     return factory_result.__code__
@@ -123,7 +127,10 @@ class _VarianceScalingTiles:
             return (fan_in + fan_out) / 2
         if self.mode == "fan_geo_avg":
             return (fan_in * fan_out) ** 0.5
-        raise ValueError(f"invalid mode for variance scaling initializer: {self.mode}")
+        raise ValueError(
+            "`initializer` must have a variance-scaling mode of 'fan_in', 'fan_out', 'fan_avg' or "
+            f"'fan_geo_avg'; got {self.mode!r}."
+        )
 
 
 def _axes_size(shape: tuple[int, ...], axes: int | Sequence[int]) -> int:

@@ -290,6 +290,8 @@ def test_bad_shapes(getkey):
         init(getkey(), (3.5, 2))
     with pytest.raises(ValueError, match="`shape` must have at least 2 axes"):
         chunked(inits.lecun_normal())(getkey(), (1000,))
+    with pytest.raises(ValueError, match="`initializer` must have a variance-scaling mode"):
+        chunked(inits.variance_scaling(1.0, "fan_max", "normal"))(getkey(), (4, 4))  # pyright: ignore[reportArgumentType]
 
 
 def test_bad_out_sharding(getkey):
