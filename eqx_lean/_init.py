@@ -1,0 +1,582 @@
+"""Memory-lean initialisers for single huge tensors: drawn tile by tile into a preallocated output.
+
+A plain initializer such as `jax.nn.initializers.lecun_normal()` draws the whole tensor at once,
+so XLA holds the random bits, the intermediate floats and the result together: about three times
+the tensor. [`eqx_lean.init.chunked`][] instead cuts the tensor into a fixed grid of tiles and draws
+a few tiles per loop step, each from its own key, writing them into an output buffer in place.
+
+The tile grid is a function of the tensor's shape only (`_TILE_ELEMENTS` elements per tile), so
+the values depend on the key, shape and dtype alone: not on `max_chunk_bytes` (how many tiles one
+step draws) and not on how the output is sharded. With a sharded output, every device draws only
+the tiles that overlap its own shard.
+"""
+
+import dataclasses
+import functools
+import math
+import operator
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec
+from jaxtyping import Array, PRNGKeyArray
+
+
+# The tile size fixes the values: changing it changes every tensor drawn by `chunked`. 2**18
+# elements (1 MiB in float32, a 512 x 512 tile of a matrix) keeps a tile's temporaries small
+# while each draw is still large enough to run at full speed.
+_TILE_ELEMENTS = 2**18
+
+# One float32 tile per loop step: XLA's temporaries are then about 6 MiB per device.
+_DEFAULT_MAX_CHUNK_BYTES = 2**20
+
+_INITIALIZERS = jax.nn.initializers
+
+# Each `jax.nn.initializers` factory returns a closure; its code object says which factory made
+# it, whatever the settings, and (for `variance_scaling`) its cells hold those settings. That is
+# how `chunked` tells an initializer it can cut into tiles from one it cannot.
+
+
+def _code_of(factory_result: Any) -> Any:
+    return factory_result.__code__
+
+
+_VARIANCE_SCALING_CODE = _code_of(_INITIALIZERS.variance_scaling(1.0, "fan_in", "normal"))
+_SHAPE_FREE_CODES = {
+    _code_of(_INITIALIZERS.normal()): "normal",
+    _code_of(_INITIALIZERS.uniform()): "uniform",
+    _code_of(_INITIALIZERS.truncated_normal()): "truncated_normal",
+    _code_of(_INITIALIZERS.constant(0.0)): "constant",
+}
+_SHAPE_FREE_FUNCTIONS = {
+    _INITIALIZERS.zeros: "zeros",
+    _INITIALIZERS.ones: "ones",
+    jax.random.normal: "jax.random.normal",
+    jax.random.uniform: "jax.random.uniform",
+}
+_COUPLED_CODES = {
+    _code_of(_INITIALIZERS.orthogonal()): "orthogonal",
+    _code_of(_INITIALIZERS.delta_orthogonal()): "delta_orthogonal",
+}
+
+
+#
+# Drawing one tile
+#
+
+
+@dataclasses.dataclass(frozen=True)
+class _ShapeFreeTiles:
+    """Tiles of an initializer whose elements are i.i.d. with a law that ignores the shape."""
+
+    initializer: Callable[..., Any]
+
+    def draw(self, key: PRNGKeyArray, shape: tuple[int, ...], tile: tuple[int, ...], dtype: Any):
+        del shape
+        if dtype is None:
+            return self.initializer(key, tile)
+        return self.initializer(key, tile, dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class _VarianceScalingTiles:
+    """Tiles of `jax.nn.initializers.variance_scaling`, at the variance of the whole tensor.
+
+    `variance_scaling` computes its variance `scale / n` from the shape it is called with, where
+    `n` is a fan of that shape. A tile is drawn by JAX's own `variance_scaling`, configured so that
+    the fan it computes for the tile is the tile's size and its scale is rescaled by
+    `tile size / n(full shape)`: the tile's elements then follow exactly the law the plain
+    initializer gives the full tensor.
+    """
+
+    scale: float
+    mode: str
+    distribution: str
+    in_axis: Any
+    out_axis: Any
+    batch_axis: Any
+    default_dtype: Any
+
+    def draw(self, key: PRNGKeyArray, shape: tuple[int, ...], tile: tuple[int, ...], dtype: Any):
+        tile_size = math.prod(tile)
+        scale = float(self.scale) * tile_size / self._denominator(shape)
+        per_tile = _INITIALIZERS.variance_scaling(
+            scale,
+            "fan_in",
+            self.distribution,  # pyright: ignore[reportArgumentType]
+            in_axis=tuple(range(len(tile))),
+            out_axis=(),
+            batch_axis=(),
+            dtype=self.default_dtype,
+        )
+        if dtype is None:
+            return per_tile(key, tile)
+        return per_tile(key, tile, dtype)
+
+    def _denominator(self, shape: tuple[int, ...]) -> float:
+        fan_in, fan_out = _fans(shape, self.in_axis, self.out_axis, self.batch_axis)
+        if self.mode == "fan_in":
+            return fan_in
+        if self.mode == "fan_out":
+            return fan_out
+        if self.mode == "fan_avg":
+            return (fan_in + fan_out) / 2
+        if self.mode == "fan_geo_avg":
+            return (fan_in * fan_out) ** 0.5
+        raise ValueError(
+            "`initializer` must have a variance-scaling mode of 'fan_in', 'fan_out', 'fan_avg' or "
+            f"'fan_geo_avg'; got {self.mode!r}."
+        )
+
+
+def _axes_size(shape: tuple[int, ...], axes: int | Sequence[int]) -> int:
+    if isinstance(axes, int):
+        return shape[axes]
+    return math.prod(shape[i] for i in axes)
+
+
+def _fans(
+    shape: tuple[int, ...], in_axis: Any, out_axis: Any, batch_axis: Any
+) -> tuple[float, float]:
+    """Fan-in and fan-out of a weight shape, as `jax.nn.initializers.variance_scaling` defines them.
+
+    Axes outside `in_axis`, `out_axis` and `batch_axis` form the receptive field of a convolution.
+    """
+    if isinstance(in_axis, int) and in_axis == -2 and len(shape) <= 1:
+        raise ValueError(
+            f"`shape` must have at least 2 axes for this variance-scaling initializer (its fan-in "
+            f"is taken from axis -2 by default); got {shape}. Pass `in_axis` explicitly to the "
+            "initializer's factory to use it on a vector."
+        )
+    in_size = _axes_size(shape, in_axis)
+    out_size = _axes_size(shape, out_axis)
+    batch_size = _axes_size(shape, batch_axis)
+    receptive_field = math.prod(shape) / in_size / out_size / batch_size
+    return in_size * receptive_field, out_size * receptive_field
+
+
+def _closure(fn: Any) -> dict[str, Any]:
+    return {
+        name: cell.cell_contents
+        for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=True)
+    }
+
+
+def _variance_scaling_tiles(initializer: Any) -> _VarianceScalingTiles:
+    found = _closure(initializer)
+    names = ("scale", "mode", "distribution", "in_axis", "out_axis", "batch_axis")
+    if not all(name in found for name in names):  # pragma: no cover - depends on JAX internals
+        raise TypeError(
+            "`initializer` looks like a `jax.nn.initializers.variance_scaling` initializer, but "
+            f"this JAX version stores its settings differently ({sorted(found)}); please report it."
+        )
+    defaults = initializer.__defaults__ or (None,)
+    return _VarianceScalingTiles(
+        scale=float(found["scale"]),
+        mode=found["mode"],
+        distribution=found["distribution"],
+        in_axis=_hashable_axes(found["in_axis"]),
+        out_axis=_hashable_axes(found["out_axis"]),
+        batch_axis=_hashable_axes(found["batch_axis"]),
+        default_dtype=defaults[0],
+    )
+
+
+def _hashable_axes(axes: int | Sequence[int]) -> int | tuple[int, ...]:
+    return axes if isinstance(axes, int) else tuple(axes)
+
+
+def _tiles_of(initializer: Any, elementwise: bool) -> Any:
+    if not callable(initializer):
+        raise TypeError(
+            "`initializer` must be a callable `(key, shape, dtype) -> array`, such as "
+            f"`jax.nn.initializers.lecun_normal()`; got {type(initializer).__name__}."
+        )
+    code = getattr(initializer, "__code__", None)
+    if code is _VARIANCE_SCALING_CODE:
+        return _variance_scaling_tiles(initializer)
+    if code in _COUPLED_CODES:
+        raise ValueError(
+            f"`initializer` (`jax.nn.initializers.{_COUPLED_CODES[code]}`) cannot be chunked: its "
+            "elements are not independent (it orthogonalises the whole matrix), so no tile can be "
+            "drawn without the others. Use the plain initializer."
+        )
+    if elementwise or code in _SHAPE_FREE_CODES or _is_known_function(initializer):
+        return _ShapeFreeTiles(initializer)
+    raise TypeError(
+        "`initializer` must be one that `chunked` can cut into tiles: a "
+        "`jax.nn.initializers` initializer (normal, uniform, truncated_normal, constant, zeros, "
+        "ones, or any variance-scaling one such as lecun_normal, glorot_uniform or he_normal), "
+        "`jax.random.normal` or `jax.random.uniform`; got "
+        f"{getattr(initializer, '__qualname__', repr(initializer))}. If it draws every element "
+        "independently from one distribution that does not depend on the shape it is asked for, "
+        "pass `elementwise=True`."
+    )
+
+
+def _is_known_function(initializer: Any) -> bool:
+    try:
+        return initializer in _SHAPE_FREE_FUNCTIONS
+    except TypeError:  # unhashable callables
+        return False
+
+
+#
+# The tile grid
+#
+
+
+def _integer_root(n: int, degree: int) -> int:
+    """The largest integer `x >= 1` with `x ** degree <= n`."""
+    x = max(1, int(round(n ** (1 / degree))))
+    while x > 1 and x**degree > n:
+        x -= 1
+    while (x + 1) ** degree <= n:
+        x += 1
+    return x
+
+
+def _tile_shape(shape: tuple[int, ...], budget: int = _TILE_ELEMENTS) -> tuple[int, ...]:
+    """A near-square tile of at most `budget` elements: short axes whole, the rest shared evenly.
+
+    Square tiles keep the overlap between a tile and any shard boundary small, whichever axes the
+    output is sharded along.
+    """
+    tile = [1] * len(shape)
+    remaining = budget
+    by_length = sorted(range(len(shape)), key=lambda axis: (shape[axis], axis))
+    for position, axis in enumerate(by_length):
+        side = _integer_root(remaining, len(shape) - position)
+        tile[axis] = min(shape[axis], side)
+        remaining //= tile[axis]
+    return tuple(tile)
+
+
+@dataclasses.dataclass(frozen=True)
+class _AxisPlan:
+    """How one axis of the output is cut into tiles and split between devices."""
+
+    length: int
+    tile: int
+    mesh_axes: tuple[str, ...]
+    shards: int
+
+    @property
+    def local(self) -> int:
+        return self.length // self.shards
+
+    @property
+    def num_tiles(self) -> int:
+        return -(-self.length // self.tile)
+
+    @property
+    def tiles_per_shard(self) -> int:
+        """The most tiles any one shard overlaps along this axis."""
+        return max(
+            (start + self.local - 1) // self.tile - start // self.tile + 1
+            for start in range(0, self.length, self.local)
+        )
+
+
+def _mesh_axes(entry: Any) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    if isinstance(entry, str):
+        return (entry,)
+    return tuple(entry)
+
+
+def _axis_plans(
+    shape: tuple[int, ...], tile: tuple[int, ...], sharding: NamedSharding | None
+) -> tuple[_AxisPlan, ...]:
+    spec = tuple(sharding.spec) if sharding is not None else ()
+    spec = spec + (None,) * (len(shape) - len(spec))
+    plans = []
+    for length, side, entry in zip(shape, tile, spec, strict=True):
+        mesh_axes = _mesh_axes(entry)
+        shards = math.prod(sharding.mesh.shape[a] for a in mesh_axes) if sharding else 1
+        plans.append(_AxisPlan(length, side, mesh_axes, shards))
+    return tuple(plans)
+
+
+#
+# Filling the output
+#
+
+
+def _unravel(index: Array, sizes: Sequence[int]) -> list[Array]:
+    digits = []
+    for size in reversed(sizes):
+        digits.append(index % size)
+        index = index // size
+    return digits[::-1]
+
+
+def _ravel(digits: Sequence[Array], sizes: Sequence[int]) -> Array:
+    flat = jnp.zeros((), jnp.int32)
+    for digit, size in zip(digits, sizes, strict=True):
+        flat = flat * size + digit
+    return flat
+
+
+def _write_tile(out: Array, tile: Array, local_start: Sequence[Array]) -> Array:
+    """Writes the part of `tile` (placed at `local_start`, possibly outside) that lies in `out`.
+
+    The window written has static size `min(tile, out)` per axis and is clamped into `out`; the
+    tile is shifted into it through padding, and positions the tile does not cover keep `out`'s
+    values, so tiles may be written in any order and any number of times.
+    """
+    window = tuple(min(t, o) for t, o in zip(tile.shape, out.shape, strict=True))
+    window_start = [
+        jnp.clip(start, 0, o - w)
+        for start, o, w in zip(local_start, out.shape, window, strict=True)
+    ]
+    padded = jnp.pad(tile, [(w, w) for w in window])
+    offsets = [w + ws - s for w, ws, s in zip(window, window_start, local_start, strict=True)]
+    shifted = lax.dynamic_slice(padded, offsets, window)
+    inside = jnp.ones(window, bool)
+    for axis, (w, t, offset) in enumerate(zip(window, tile.shape, offsets, strict=True)):
+        source = lax.broadcasted_iota(jnp.int32, window, axis) + offset - w
+        inside = inside & (source >= 0) & (source < t)
+    current = lax.dynamic_slice(out, window_start, window)
+    return lax.dynamic_update_slice(out, jnp.where(inside, shifted, current), window_start)
+
+
+def _fill_local(
+    key: PRNGKeyArray,
+    tiles: Any,
+    plans: tuple[_AxisPlan, ...],
+    dtype: Any,
+    out_dtype: Any,
+    group: int,
+) -> Array:
+    """Fills this device's shard: every tile overlapping it, `group` tiles per loop step."""
+    shape = tuple(p.length for p in plans)
+    tile_shape = tuple(p.tile for p in plans)
+    grid = tuple(p.num_tiles for p in plans)
+    shard_start = [
+        (lax.axis_index(p.mesh_axes) * p.local if p.mesh_axes else jnp.zeros((), jnp.int32))
+        for p in plans
+    ]
+    first_tile = [start // p.tile for start, p in zip(shard_start, plans, strict=True)]
+    last_tile = [
+        (start + p.local - 1) // p.tile for start, p in zip(shard_start, plans, strict=True)
+    ]
+    counts = tuple(p.tiles_per_shard for p in plans)
+    num_local = math.prod(counts)
+
+    def tile_coords(local_index):
+        # Shards that overlap fewer tiles than `counts` revisit their last tile: rewriting a tile
+        # writes the same values to the same place.
+        digits = _unravel(local_index, counts)
+        return [
+            jnp.minimum(first + digit, last)
+            for first, digit, last in zip(first_tile, digits, last_tile, strict=True)
+        ]
+
+    def draw(local_index):
+        coords = tile_coords(local_index)
+        tile_key = jax.random.fold_in(key, _ravel(coords, grid))
+        return tiles.draw(tile_key, shape, tile_shape, dtype)
+
+    def step(index, out):
+        local_indices = jnp.minimum(
+            index * group + jnp.arange(group, dtype=jnp.int32), num_local - 1
+        )
+        drawn = jax.vmap(draw)(local_indices)
+
+        def write(member, out):
+            coords = tile_coords(local_indices[member])
+            start = [c * p.tile - s for c, p, s in zip(coords, plans, shard_start, strict=True)]
+            return _write_tile(out, drawn[member], start)
+
+        return lax.fori_loop(0, group, write, out)
+
+    out = jnp.zeros(tuple(p.local for p in plans), out_dtype)
+    sharded_over = tuple(name for p in plans for name in p.mesh_axes)
+    if sharded_over:
+        # Under `shard_map`, the buffer must be typed as differing between shards, as the tiles
+        # written into it do.
+        out = lax.pcast(out, sharded_over, to="varying")
+    return lax.fori_loop(0, -(-num_local // group), step, out)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("tiles", "shape", "dtype", "sharding", "max_chunk_bytes")
+)
+def _chunked_fill(
+    key: PRNGKeyArray,
+    *,
+    tiles: Any,
+    shape: tuple[int, ...],
+    dtype: Any,
+    sharding: NamedSharding | None,
+    max_chunk_bytes: int,
+) -> Array:
+    tile_shape = _tile_shape(shape)
+    plans = _axis_plans(shape, tile_shape, sharding)
+    drawn = jax.eval_shape(lambda k: tiles.draw(k, shape, tile_shape, dtype), key)
+    if drawn.shape != tile_shape:
+        raise ValueError(
+            f"`initializer` must return an array of the shape it is asked for; asked for "
+            f"{tile_shape}, it returned {drawn.shape}."
+        )
+    if math.prod(p.num_tiles for p in plans) >= 2**31:
+        raise ValueError(f"`shape` {shape} is too large: it would need 2**31 tiles or more.")
+    tile_bytes = math.prod(tile_shape) * np.dtype(drawn.dtype).itemsize
+    num_local = math.prod(p.tiles_per_shard for p in plans)
+    group = int(min(num_local, max(1, max_chunk_bytes // tile_bytes)))
+    fill = functools.partial(
+        _fill_local, tiles=tiles, plans=plans, dtype=dtype, out_dtype=drawn.dtype, group=group
+    )
+    if sharding is None:
+        return fill(key)
+    return jax.shard_map(
+        fill, mesh=sharding.mesh, in_specs=PartitionSpec(), out_specs=sharding.spec
+    )(key)
+
+
+#
+# Public API
+#
+
+
+def _check_shape(shape: Any) -> tuple[int, ...]:
+    try:
+        dims = tuple(operator.index(d) for d in shape)
+    except TypeError as e:
+        raise TypeError(f"`shape` must be a tuple of integers; got {shape!r}.") from e
+    if len(dims) == 0:
+        raise ValueError(
+            "`shape` must have at least one axis; for a scalar use the initializer itself."
+        )
+    if any(d < 0 for d in dims):
+        raise ValueError(f"`shape` must have non-negative dimensions; got {dims}.")
+    return dims
+
+
+def _check_sharding(out_sharding: Any, shape: tuple[int, ...]) -> NamedSharding | None:
+    if out_sharding is None:
+        return None
+    if isinstance(out_sharding, NamedSharding):
+        mesh, spec = out_sharding.mesh, out_sharding.spec
+    elif isinstance(out_sharding, PartitionSpec):
+        mesh, spec = jax.sharding.get_abstract_mesh(), out_sharding
+        if mesh.empty:
+            raise ValueError(
+                "`out_sharding` is a PartitionSpec but no mesh is set; pass a "
+                "`jax.sharding.NamedSharding`, or call inside `jax.set_mesh(mesh)`."
+            )
+    else:
+        raise TypeError(
+            "`out_sharding` must be a `jax.sharding.NamedSharding`, a `PartitionSpec` (with a mesh "
+            f"set) or None; got {type(out_sharding).__name__}."
+        )
+    if len(spec) > len(shape):
+        raise ValueError(
+            f"`out_sharding` has a spec {spec} with more entries than `shape` {shape} has axes."
+        )
+    for axis, entry in enumerate(spec):
+        names = _mesh_axes(entry)
+        unknown = [n for n in names if n not in mesh.shape]
+        if unknown:
+            raise ValueError(
+                f"`out_sharding` names mesh axes {unknown} that the mesh (axes "
+                f"{tuple(mesh.shape)}) does not have."
+            )
+        shards = math.prod(mesh.shape[n] for n in names)
+        if shape[axis] % shards:
+            raise ValueError(
+                f"`out_sharding` {spec} splits axis {axis} of `shape` {shape} into {shards} "
+                f"shards, which does not divide its length {shape[axis]}."
+            )
+    if isinstance(out_sharding, NamedSharding):
+        return out_sharding
+    return NamedSharding(mesh, spec)
+
+
+def chunked(
+    initializer: Callable[..., Array],
+    max_chunk_bytes: int = _DEFAULT_MAX_CHUNK_BYTES,
+    *,
+    elementwise: bool = False,
+) -> Callable[..., Array]:
+    """Wraps an initializer so that it draws its tensor tile by tile, in bounded memory.
+
+    A plain `jax.nn.initializers` initializer holds the whole tensor's random bits and
+    intermediates at once: about three times the tensor in temporaries (and slicing its result
+    does not help, XLA still makes the whole draw). The wrapped initializer allocates the output
+    once and fills it in a `lax.fori_loop`, drawing a few fixed-size tiles per step, so its
+    temporaries are bounded by `max_chunk_bytes` whatever the tensor's size. With `out_sharding`,
+    every device fills only its own shard.
+
+    ```python
+    init = eqx_lean.init.chunked(jax.nn.initializers.lecun_normal())
+    weight = init(key, (32000, 4096), jnp.bfloat16)
+    ```
+
+    The values differ from the plain initializer's (each tile has its own key) but follow the same
+    distribution, with the same per-element law the plain initializer gives the *whole* tensor
+    (variance-scaling initializers use the full shape's fans). They depend only on `key`, `shape`
+    and `dtype`: not on `max_chunk_bytes` and not on `out_sharding` or the number of devices.
+
+    Tiles are a fixed grid of near-square blocks of at most 2**18 elements; tile `i` (row-major
+    over the grid) is `initializer(jax.random.fold_in(key, i), tile_shape, dtype)` for
+    element-independent initializers, and its last row and column are cut at the tensor's edge.
+
+    **Arguments:**
+
+    - `initializer`: a `(key, shape, dtype) -> array` initializer whose elements are drawn
+        independently: `jax.nn.initializers.normal`, `uniform`, `truncated_normal`, `constant`,
+        `zeros`, `ones`, any variance-scaling initializer (`variance_scaling`, `lecun_normal`,
+        `glorot_uniform`, `he_normal`, ...), `jax.random.normal` or `jax.random.uniform`.
+        `orthogonal` and `delta_orthogonal` couple all elements and are refused.
+    - `max_chunk_bytes`: the most bytes of values one loop step draws per device (at least one
+        tile is always drawn). XLA's temporaries for a step are a small multiple of it (random
+        bits and intermediates: about 3x for `truncated_normal`). A memory knob only: larger
+        values mean fewer, larger steps, with identical results.
+    - `elementwise`: accept an initializer not in the list above, on your word that it draws every
+        element independently from one distribution that does not depend on the shape it is
+        asked for. It is then called on each tile's shape.
+
+    **Returns:**
+
+    An initializer `init(key, shape, dtype=None, out_sharding=None) -> array`, usable eagerly or
+    inside `jax.jit`. `dtype=None` uses the wrapped initializer's own default; `out_sharding` is
+    a `jax.sharding.NamedSharding` (or a `PartitionSpec` under `jax.set_mesh`) whose shards must
+    divide `shape`.
+    """
+    tiles = _tiles_of(initializer, elementwise)
+    if (
+        isinstance(max_chunk_bytes, bool)
+        or not isinstance(max_chunk_bytes, int | np.integer)
+        or max_chunk_bytes <= 0
+    ):
+        raise ValueError(f"`max_chunk_bytes` must be a positive integer; got {max_chunk_bytes!r}.")
+
+    def init(
+        key: PRNGKeyArray,
+        shape: Sequence[int],
+        dtype: Any = None,
+        out_sharding: NamedSharding | PartitionSpec | None = None,
+    ) -> Array:
+        dims = _check_shape(shape)
+        sharding = _check_sharding(out_sharding, dims)
+        if math.prod(dims) == 0:
+            ones = (1,) * len(dims)
+            drawn = jax.eval_shape(lambda k: tiles.draw(k, ones, ones, dtype), key)
+            return jnp.zeros(dims, drawn.dtype, out_sharding=sharding)
+        return _chunked_fill(
+            key,
+            tiles=tiles,
+            shape=dims,
+            dtype=None if dtype is None else jnp.dtype(dtype),
+            sharding=sharding,
+            max_chunk_bytes=int(max_chunk_bytes),
+        )
+
+    return init

@@ -1,0 +1,388 @@
+import itertools
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import eqx_lean
+
+
+inits = jax.nn.initializers
+chunked = eqx_lean.init.chunked
+REPO = Path(__file__).resolve().parents[1]
+
+# The constant of `jax.nn.initializers.variance_scaling`: the standard deviation of a standard
+# normal truncated to (-2, 2).
+TRUNCATED_STD = 0.87962566103423978
+
+
+def assemble_from_tiles(draw_tile, key, shape, tile, dtype=np.float32):
+    """The documented definition, as a Python loop: tile `i` of the row-major tile grid is drawn
+    with `fold_in(key, i)` and cut at the tensor's edge."""
+    grid = [math.ceil(n / t) for n, t in zip(shape, tile, strict=True)]
+    out = np.full(shape, np.nan, dtype)
+    for coords in itertools.product(*map(range, grid)):
+        tile_id = int(np.ravel_multi_index(coords, grid))
+        values = np.asarray(draw_tile(jax.random.fold_in(key, tile_id), tile))
+        region = tuple(
+            slice(c * t, min((c + 1) * t, n)) for c, t, n in zip(coords, tile, shape, strict=True)
+        )
+        out[region] = values[tuple(slice(0, r.stop - r.start) for r in region)]
+    return out
+
+
+def lecun_normal_tile(fan_in):
+    def draw(key, tile):
+        stddev = jnp.sqrt(jnp.array(1.0 / fan_in, jnp.float32)) / jnp.float32(TRUNCATED_STD)
+        return jax.random.truncated_normal(key, -2, 2, tile, jnp.float32) * stddev
+
+    return draw
+
+
+#
+# Values: the documented tile definition, and what they must not depend on
+#
+
+
+@pytest.mark.parametrize(
+    "shape, tile",
+    [
+        ((1000, 700), (512, 512)),
+        ((600_000,), (262_144,)),
+        ((64, 100, 90), (64, 64, 64)),
+        pytest.param((3, 300_000), (3, 87_381), marks=pytest.mark.slow),
+    ],
+)
+def test_tile_grid_matches_python_loop(shape, tile, getkey):
+    key = getkey()
+    out = chunked(inits.normal(0.5))(key, shape)
+    expected = assemble_from_tiles(lambda k, t: inits.normal(0.5)(k, t), key, shape, tile)
+    assert out.shape == shape and out.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(out), expected)
+
+
+def test_variance_scaling_tiles_use_full_shape_fan(getkey):
+    key = getkey()
+    shape = (1000, 700)
+    out = chunked(inits.lecun_normal())(key, shape)
+    expected = assemble_from_tiles(lecun_normal_tile(fan_in=1000), key, shape, (512, 512))
+    np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("max_chunk_bytes", [1, 2**20 - 1, 3 * 2**20, 2**30])
+def test_values_do_not_depend_on_max_chunk_bytes(max_chunk_bytes, getkey):
+    key = getkey()
+    shape = (1500, 1300)  # 3 x 3 tiles, cut on both axes
+    default = chunked(inits.lecun_normal())(key, shape)
+    other = chunked(inits.lecun_normal(), max_chunk_bytes)(key, shape)
+    np.testing.assert_array_equal(np.asarray(default), np.asarray(other))
+
+
+def test_values_depend_on_key(getkey):
+    init = chunked(inits.normal())
+    a, b = init(getkey(), (600, 600)), init(getkey(), (600, 600))
+    assert not np.any(np.asarray(a) == np.asarray(b))
+
+
+def test_same_under_jit_and_eval_shape(getkey):
+    key = getkey()
+    init = chunked(inits.he_normal(), 3 * 2**20)
+    eager = init(key, (1100, 900))
+    jitted = jax.jit(lambda k: init(k, (1100, 900)))(key)
+    np.testing.assert_array_equal(np.asarray(eager), np.asarray(jitted))
+    struct = jax.eval_shape(lambda k: init(k, (1100, 900), jnp.bfloat16), key)
+    assert struct.shape == (1100, 900) and struct.dtype == jnp.bfloat16
+
+
+def test_raw_uint32_keys(getkey):
+    raw = jax.random.PRNGKey(3)
+    typed = jax.random.wrap_key_data(raw)
+    init = chunked(inits.uniform())
+    np.testing.assert_array_equal(
+        np.asarray(init(raw, (700, 500))), np.asarray(init(typed, (700, 500)))
+    )
+
+
+#
+# Distribution: the target law, and the plain initializer's
+#
+
+
+def two_sample_ks(a, b):
+    a, b = np.sort(a.ravel()), np.sort(b.ravel())
+    grid = np.concatenate([a, b])
+    cdf_a = np.searchsorted(a, grid, side="right") / a.size
+    cdf_b = np.searchsorted(b, grid, side="right") / b.size
+    return np.max(np.abs(cdf_a - cdf_b))
+
+
+def ks_critical(n, m, alpha=1e-3):
+    return math.sqrt(-math.log(alpha / 2) / 2) * math.sqrt((n + m) / (n * m))
+
+
+SHAPE = (2048, 1024)
+N = math.prod(SHAPE)
+
+
+@pytest.mark.parametrize(
+    "initializer, std, bound",
+    [
+        # lecun_normal: truncated normal with std sqrt(1 / fan_in), cut at 2 untruncated stds.
+        (inits.lecun_normal(), math.sqrt(1 / 2048), 2 * math.sqrt(1 / 2048) / TRUNCATED_STD),
+        # he_normal: the same with variance 2 / fan_in.
+        pytest.param(
+            inits.he_normal(),
+            math.sqrt(2 / 2048),
+            2 * math.sqrt(2 / 2048) / TRUNCATED_STD,
+            marks=pytest.mark.slow,
+        ),
+        # glorot_uniform: uniform with variance 1 / fan_avg, on [-sqrt(3 var), sqrt(3 var)).
+        (inits.glorot_uniform(), math.sqrt(1 / 1536), math.sqrt(3 / 1536)),
+        # truncated_normal(stddev): the *untruncated* std is stddev, cut at 2 stddev.
+        (inits.truncated_normal(0.02), 0.02 * TRUNCATED_STD, 0.04),
+        # normal(stddev): no bound.
+        (inits.normal(0.1), 0.1, None),
+    ],
+)
+def test_zero_mean_distributions(initializer, std, bound, getkey):
+    key = getkey()
+    x = np.asarray(chunked(initializer)(key, SHAPE), np.float64)
+    plain = np.asarray(initializer(key, SHAPE), np.float64)
+    # Five standard errors: of the mean, std / sqrt(N); of the std, at most std / sqrt(2 N).
+    assert abs(x.mean()) < 5 * std / math.sqrt(N)
+    assert abs(x.std() / std - 1) < 5 / math.sqrt(2 * N)
+    assert abs(x.std() - plain.std()) < 5 * std * math.sqrt(2 / (2 * N))
+    if bound is not None:
+        assert np.abs(x).max() <= bound * (1 + 1e-6)
+        assert np.abs(x).max() > 0.99 * bound
+    assert two_sample_ks(x, plain) < ks_critical(N, N)
+
+
+def test_uniform_distribution(getkey):
+    key = getkey()
+    x = np.asarray(chunked(inits.uniform(3.0))(key, SHAPE), np.float64)
+    plain = np.asarray(inits.uniform(3.0)(key, SHAPE), np.float64)
+    std = 3.0 / math.sqrt(12)
+    assert abs(x.mean() - 1.5) < 5 * std / math.sqrt(N)
+    assert abs(x.std() / std - 1) < 5 / math.sqrt(2 * N)
+    assert x.min() >= 0.0 and x.max() < 3.0
+    assert two_sample_ks(x, plain) < ks_critical(N, N)
+
+
+def test_variance_scaling_with_custom_axes(getkey):
+    # A (kh, kw, in, out) convolution kernel: fan_in = 3 * 3 * 64, fan_out = 3 * 3 * 512.
+    shape = (3, 3, 64, 512)
+    initializer = inits.variance_scaling(2.0, "fan_out", "normal", in_axis=2, out_axis=3)
+    x = np.asarray(chunked(initializer)(getkey(), shape), np.float64)
+    std = math.sqrt(2.0 / (9 * 512))
+    assert abs(x.std() / std - 1) < 5 / math.sqrt(2 * x.size)
+
+
+def test_bfloat16_and_initializer_default_dtype(getkey):
+    key = getkey()
+    x = chunked(inits.lecun_normal(dtype=jnp.bfloat16))(key, SHAPE)
+    assert x.dtype == jnp.bfloat16
+    y = chunked(inits.lecun_normal())(key, SHAPE, jnp.bfloat16)
+    assert y.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+    std = math.sqrt(1 / 2048)
+    assert abs(np.asarray(y, np.float64).std() / std - 1) < 0.01
+
+
+@pytest.mark.slow
+def test_complex_variance_scaling(getkey):
+    x = np.asarray(chunked(inits.lecun_normal())(getkey(), (1024, 1024), jnp.complex64))
+    assert x.dtype == np.complex64
+    assert abs(np.sqrt(np.mean(np.abs(x) ** 2)) * 32 - 1) < 0.01
+
+
+@pytest.mark.parametrize("shape", [(5,), (20, 30, 40, 50), (2, 1, 3, 1, 2)])
+def test_any_rank(shape, getkey):
+    x = chunked(inits.normal(1.0))(getkey(), shape)
+    assert x.shape == shape
+    assert np.all(np.isfinite(np.asarray(x)))
+    # Tiles drawn from one key would repeat their values (20 x 30 x 40 x 50 has 12 tiles).
+    assert np.unique(np.asarray(x)).size > 0.9 * x.size
+
+
+def test_zero_size_shape(getkey):
+    x = chunked(inits.lecun_normal())(getkey(), (0, 1024), jnp.bfloat16)
+    assert x.shape == (0, 1024) and x.dtype == jnp.bfloat16
+
+
+def test_constant_zeros_ones_and_elementwise(getkey):
+    key = getkey()
+    np.testing.assert_array_equal(np.asarray(chunked(inits.constant(-7.0))(key, (600, 600))), -7.0)
+    np.testing.assert_array_equal(np.asarray(chunked(inits.zeros)(key, (600, 600))), 0.0)
+    np.testing.assert_array_equal(np.asarray(chunked(inits.ones)(key, (600, 600))), 1.0)
+    laplace = chunked(lambda k, s, d=jnp.float32: jax.random.laplace(k, s, d), elementwise=True)
+    x = np.asarray(laplace(key, SHAPE), np.float64)
+    assert abs(x.std() / math.sqrt(2) - 1) < 0.01
+    x = np.asarray(chunked(jax.random.normal)(key, SHAPE))
+    assert abs(x.std() - 1) < 0.01
+
+
+#
+# Memory
+#
+
+
+def temp_bytes(fn, *args):
+    stats = jax.jit(fn).lower(*args).compile().memory_analysis()
+    assert stats is not None
+    return stats.temp_size_in_bytes
+
+
+def test_temporaries_bounded_by_the_chunk(getkey):
+    key = getkey()
+    for shape in [(4096, 4096), (16384, 16384)]:
+        temp = temp_bytes(lambda k, shape=shape: chunked(inits.lecun_normal())(k, shape), key)
+        # One 1 MiB tile per step: random bits, intermediates and the write, about 6 MiB.
+        assert temp <= 8 * 2**20, temp
+    plain = temp_bytes(lambda k: inits.lecun_normal()(k, (4096, 4096)), key)
+    assert plain >= 2 * 4096 * 4096 * 4
+    bigger_chunks = temp_bytes(lambda k: chunked(inits.lecun_normal(), 2**22)(k, (4096, 4096)), key)
+    assert 8 * 2**20 < bigger_chunks <= 32 * 2**20
+
+
+#
+# Errors
+#
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, True, "1MiB"])
+def test_bad_max_chunk_bytes(value):
+    with pytest.raises(ValueError, match="`max_chunk_bytes` must be a positive integer"):
+        chunked(inits.normal(), value)
+
+
+def test_not_callable():
+    with pytest.raises(TypeError, match="`initializer` must be a callable"):
+        chunked(0.02)  # pyright: ignore[reportArgumentType]
+
+
+@pytest.mark.parametrize("initializer", [inits.orthogonal(), inits.delta_orthogonal()])
+def test_coupled_initializers_refused(initializer):
+    with pytest.raises(ValueError, match="`initializer` .* cannot be chunked"):
+        chunked(initializer)
+
+
+def test_unknown_initializer_needs_elementwise():
+    with pytest.raises(TypeError, match="pass `elementwise=True`"):
+        chunked(lambda k, s, d=jnp.float32: jax.random.laplace(k, s, d))
+
+
+def test_bad_shapes(getkey):
+    init = chunked(inits.normal())
+    with pytest.raises(ValueError, match="`shape` must have at least one axis"):
+        init(getkey(), ())
+    with pytest.raises(ValueError, match="`shape` must have non-negative dimensions"):
+        init(getkey(), (3, -1))
+    with pytest.raises(TypeError, match="`shape` must be a tuple of integers"):
+        init(getkey(), (3.5, 2))
+    with pytest.raises(ValueError, match="`shape` must have at least 2 axes"):
+        chunked(inits.lecun_normal())(getkey(), (1000,))
+    with pytest.raises(ValueError, match="`initializer` must have a variance-scaling mode"):
+        chunked(inits.variance_scaling(1.0, "fan_max", "normal"))(getkey(), (4, 4))  # pyright: ignore[reportArgumentType]
+
+
+def test_bad_out_sharding(getkey):
+    init = chunked(inits.normal())
+    key = getkey()
+    with pytest.raises(TypeError, match="`out_sharding` must be a `jax.sharding.NamedSharding`"):
+        init(getkey(), (8, 8), out_sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    with pytest.raises(ValueError, match="`out_sharding` is a PartitionSpec but no mesh is set"):
+        init(getkey(), (8, 8), out_sharding=jax.sharding.PartitionSpec("d"))
+    mesh = jax.make_mesh((1,), ("d",))
+    with jax.set_mesh(mesh):
+        with pytest.raises(ValueError, match=r"`out_sharding` names mesh axes \['x'\]"):
+            init(getkey(), (8, 8), out_sharding=jax.P("x"))
+        sharded = init(key, (8, 8), out_sharding=jax.P("d"))
+    np.testing.assert_array_equal(np.asarray(sharded), np.asarray(init(key, (8, 8))))
+    with pytest.raises(ValueError, match="more entries than `shape`"):
+        init(getkey(), (8,), out_sharding=jax.sharding.NamedSharding(mesh, jax.P("d", None)))
+
+
+#
+# Eight devices
+#
+
+EIGHT_DEVICES = textwrap.dedent(
+    """
+    import json, math, sys
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+    import eqx_lean
+
+    assert len(jax.devices()) == 8
+    out_dir = sys.argv[1]
+    init = eqx_lean.init.chunked(jax.nn.initializers.lecun_normal())
+    small_chunks = eqx_lean.init.chunked(jax.nn.initializers.lecun_normal(), 3 * 2**20)
+    key = jax.random.key(7)
+    shape = (1000, 1400)
+    line = jax.make_mesh((8,), ("d",))
+    auto = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Auto,))
+    grid = jax.make_mesh((2, 4), ("a", "b"))
+    cases = {
+        "rows": NamedSharding(line, P("d", None)),
+        "columns": NamedSharding(line, P(None, "d")),
+        "rows_auto": NamedSharding(auto, P("d")),
+        "grid": NamedSharding(grid, P("a", "b")),
+        "two_axes_on_rows": NamedSharding(grid, P(("b", "a"), None)),
+        "partly_replicated": NamedSharding(grid, P(None, "b")),
+    }
+    report = {}
+    for name, sharding in cases.items():
+        x = init(key, shape, out_sharding=sharding)
+        assert x.sharding == sharding, (name, x.sharding)
+        np.save(f"{out_dir}/{name}.npy", np.asarray(x))
+    y = small_chunks(key, shape, out_sharding=cases["grid"])
+    np.save(f"{out_dir}/grid_three_tiles_per_step.npy", np.asarray(y))
+    with jax.set_mesh(line):
+        jitted = jax.jit(lambda k: init(k, shape, out_sharding=P(None, "d")))(key)
+        assert jitted.sharding.spec == P(None, "d"), jitted.sharding
+        np.save(f"{out_dir}/jit_spec.npy", np.asarray(jitted))
+    big = (8192, 16384)
+    sharding = NamedSharding(line, P("d", None))
+    compiled = jax.jit(lambda k: init(k, big, out_sharding=sharding)).lower(key).compile()
+    report["temp"] = compiled.memory_analysis().temp_size_in_bytes
+    report["output"] = compiled.memory_analysis().output_size_in_bytes
+    try:
+        init(key, (1001, 1400), out_sharding=sharding)
+    except ValueError as e:
+        report["error"] = str(e)
+    print(json.dumps(report))
+    """
+)
+
+
+def test_same_values_on_eight_devices(tmp_path):
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, "-c", EIGHT_DEVICES, str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+
+    expected = np.asarray(chunked(inits.lecun_normal())(jax.random.key(7), (1000, 1400)))
+    names = ["rows", "columns", "rows_auto", "grid", "two_axes_on_rows", "partly_replicated"]
+    for name in names + ["grid_three_tiles_per_step", "jit_spec"]:
+        np.testing.assert_array_equal(np.load(tmp_path / f"{name}.npy"), expected, err_msg=name)
+    # Each device fills only its shard, with one tile's temporaries.
+    assert report["output"] == 8192 * 16384 * 4 // 8
+    assert report["temp"] <= 8 * 2**20, report["temp"]
+    assert "does not divide its length 1001" in report["error"]
