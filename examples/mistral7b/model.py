@@ -6,6 +6,7 @@ layout, softmax in float32, a sliding window in which a query sees `sliding_wind
 including itself.
 """
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -393,6 +394,19 @@ def make_block(
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class _BlockFactory:
+    """`make_block` with its settings bound; equal by value, so that `build_stacked` reuses
+    its compiled per-layer writes for every model of the same configuration."""
+
+    config: MistralConfig
+    std: float | None
+    norm_std: float
+
+    def __call__(self, key: PRNGKeyArray) -> DecoderBlock:
+        return make_block(self.config, key=key, std=self.std, norm_std=self.norm_std)
+
+
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
 def _normal_matrix(key: PRNGKeyArray, shape: tuple[int, int], std: float, dtype: Any) -> Array:
     # Jitted so that the float32 draw is a temporary freed before the next tensor is built.
@@ -438,7 +452,7 @@ def init(
     norm = _rms_norm(config, norm_std, key=norm_key)
     norm = RMSNorm(norm.weight.astype(dtype), norm.eps)
     layers = eqx_lean.build_stacked(
-        lambda k: make_block(config, key=k, std=std, norm_std=norm_std),
+        _BlockFactory(config, std, norm_std),
         jax.random.split(layers_key, config.num_hidden_layers),
         dtype,
         progress=progress,
