@@ -2,12 +2,11 @@
 
 import json
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-import equinox as eqx
 
 from examples.mistral7b import (
     decode_step,
