@@ -1,6 +1,7 @@
 """The Mistral example against HuggingFace `transformers` (eager attention, CPU torch)."""
 
 import json
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -24,7 +25,7 @@ from examples.mistral7b import (
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-TINY = dict(
+TINY: dict[str, Any] = dict(
     vocab_size=128,
     hidden_size=64,
     intermediate_size=96,
@@ -33,7 +34,7 @@ TINY = dict(
     num_key_value_heads=2,
     sliding_window=None,
 )
-CONFIGS = {
+CONFIGS: dict[str, dict[str, Any]] = {
     "gqa": dict(TINY, num_hidden_layers=3),
     "sliding_window": dict(TINY, sliding_window=5),
     "head_dim": dict(TINY, head_dim=32, num_key_value_heads=1, sliding_window=6),
@@ -254,7 +255,9 @@ def test_decode_step_donates_cache(model):
         params, cache, input_ids, None, static=static, temperature=0.0, top_k=None
     ).compile()
     cache_bytes = sum(x.nbytes for x in jax.tree.leaves(cache))
-    assert compiled.memory_analysis().alias_size_in_bytes >= cache_bytes
+    analysis = compiled.memory_analysis()
+    assert analysis is not None
+    assert analysis.alias_size_in_bytes >= cache_bytes
     _, _, new_cache = compiled(params, cache, input_ids, None)
     assert cache.keys.is_deleted() and not new_cache.keys.is_deleted()
 
