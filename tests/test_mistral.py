@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import examples.mistral7b.train as train_module
 from examples.mistral7b import (
     decode_step,
     from_hf_state_dict,
@@ -301,3 +302,53 @@ def test_sampling(model):
         generate(model, prompts, 2, temperature=1.0)
     with pytest.raises(ValueError, match="`prompt_ids` must have shape"):
         generate(model, prompts[0], 2)
+
+
+# --- training ---------------------------------------------------------------------------------
+
+
+def test_first_five_losses_match_transformers_and_torch_adamw():
+    hf = hf_model(seed=7, **CONFIGS["gqa"])
+    with torch.no_grad():  # HF-scale weights, so that AdamW steps move the loss smoothly
+        for name, param in hf.named_parameters():
+            if "norm" not in name:
+                param.normal_(0.0, 0.05)
+    config = MistralConfig.from_hf(hf.config.to_dict())
+    model = from_hf_state_dict(
+        {name: value.numpy() for name, value in hf.state_dict().items()}, config, jnp.float32
+    )
+    text = train_module.load_text()  # ASCII, so every byte is a valid id of the 128-token vocab
+    data = train_module.batches(text, batch_size=4, seq_len=24, seed=0)
+    input_batches = [next(data) for _ in range(5)]
+
+    hf.train()
+    torch_adamw = torch.optim.AdamW(
+        hf.parameters(), lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01
+    )
+    hf_losses = []
+    for batch in input_batches:
+        ids = torch.from_numpy(batch.astype(np.int64))
+        loss = hf(ids, labels=ids).loss
+        hf_losses.append(loss.item())
+        torch_adamw.zero_grad()
+        loss.backward()
+        torch_adamw.step()
+
+    optimizer = train_module.adamw(1e-2, weight_decay=0.01)
+    opt_state = optimizer.init(eqx.filter(model, eqx.is_array))
+    step = train_module.make_train_step(optimizer, remat=True)
+    losses = []
+    with jax.default_matmul_precision("highest"):
+        for batch in input_batches:
+            model, opt_state, loss = step(model, opt_state, jnp.asarray(batch))
+            losses.append(float(loss))
+    assert len(set(hf_losses)) == 5  # the optimiser does move the model
+    np.testing.assert_allclose(losses, hf_losses, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_training_beats_unigram_entropy():
+    _, losses, held_out = train_module.train(log_every=0)
+    _, held_out_text = train_module.split_text(train_module.load_text())
+    assert held_out < train_module.unigram_entropy(held_out_text)
+    assert losses[-1] < losses[0]
