@@ -1,0 +1,1 @@
+"""Reference models built with eqx_lean; run from the repository root."""

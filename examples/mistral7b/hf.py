@@ -1,0 +1,273 @@
+"""Conversion between the Equinox model and HuggingFace `transformers` checkpoints."""
+
+import functools
+import json
+import os
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jaxtyping import Array
+
+import eqx_lean
+
+from .config import MistralConfig
+from .model import _linear_from_weight, _resolve_dtype, DecoderBlock, make_block, Mistral, RMSNorm
+
+
+# HF tensor name inside `model.layers.{i}.` -> the leaf of one `DecoderBlock`.
+_BLOCK_TENSORS: dict[str, Callable[[DecoderBlock], Any]] = {
+    "input_layernorm.weight": lambda b: b.input_layernorm.weight,
+    "self_attn.q_proj.weight": lambda b: b.self_attn.q_proj.weight,
+    "self_attn.k_proj.weight": lambda b: b.self_attn.k_proj.weight,
+    "self_attn.v_proj.weight": lambda b: b.self_attn.v_proj.weight,
+    "self_attn.o_proj.weight": lambda b: b.self_attn.o_proj.weight,
+    "post_attention_layernorm.weight": lambda b: b.post_attention_layernorm.weight,
+    "mlp.gate_proj.weight": lambda b: b.mlp.gate_proj.weight,
+    "mlp.up_proj.weight": lambda b: b.mlp.up_proj.weight,
+    "mlp.down_proj.weight": lambda b: b.mlp.down_proj.weight,
+}
+_EMBED, _NORM, _HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
+
+
+def _layer_name(index: int, name: str) -> str:
+    return f"model.layers.{index}.{name}"
+
+
+def _hf_names(config: MistralConfig) -> list[str]:
+    layers = [
+        _layer_name(i, name) for i in range(config.num_hidden_layers) for name in _BLOCK_TENSORS
+    ]
+    return [_EMBED, *layers, _NORM, _HEAD]
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _write_layer(buffer: Array, value: Array, index: Array) -> Array:
+    return lax.dynamic_update_index_in_dim(buffer, value.astype(buffer.dtype), index, 0)
+
+
+def _checked(name: str, value: np.ndarray, expected: tuple[int, ...]) -> np.ndarray:
+    if tuple(value.shape) != tuple(expected):
+        raise ValueError(
+            f"tensor `{name}` must have shape {list(expected)} for this config; "
+            f"got {list(value.shape)}."
+        )
+    return value
+
+
+def _assemble(
+    get_tensor: Callable[[str], np.ndarray], config: MistralConfig, dtype: Any
+) -> Mistral:
+    """Builds the model from HF tensors fetched one at a time by name.
+
+    The stacked blocks are preallocated in `dtype` and filled one layer slice at a time with
+    a donated in-place write, so at most one source tensor exists beside the model.
+    """
+    abstract_block = eqx.filter_eval_shape(
+        functools.partial(make_block, config), key=jax.random.key(0)
+    )
+    layers = eqx_lean.allocate_stacked(abstract_block, config.num_hidden_layers, dtype)
+    for name, where in _BLOCK_TENSORS.items():
+        buffer = where(layers)
+        for i in range(config.num_hidden_layers):
+            full_name = _layer_name(i, name)
+            value = _checked(full_name, get_tensor(full_name), buffer.shape[1:])
+            buffer = _write_layer(buffer, value, jnp.int32(i))
+        layers = eqx.tree_at(where, layers, buffer)
+
+    def load(name: str, shape: tuple[int, ...]) -> Array:
+        return jnp.asarray(_checked(name, get_tensor(name), shape)).astype(dtype)
+
+    vocab, hidden = config.vocab_size, config.hidden_size
+    return Mistral(
+        embed_tokens=eqx.nn.Embedding(weight=load(_EMBED, (vocab, hidden))),
+        layers=layers,
+        norm=RMSNorm(load(_NORM, (hidden,)), config.rms_norm_eps),
+        lm_head=_linear_from_weight(load(_HEAD, (vocab, hidden))),
+        config=config,
+    )
+
+
+def from_hf_state_dict(
+    state_dict: dict[str, np.ndarray], config: MistralConfig, dtype: Any = None
+) -> Mistral:
+    """Builds the model from a HuggingFace state dict.
+
+    **Arguments:**
+
+    - `state_dict`: HF tensor names (`model.layers.{i}.self_attn.q_proj.weight`, ...) to arrays
+        (numpy, or anything `np.asarray` accepts, such as `tensor.numpy()`).
+    - `config`: the model shape.
+    - `dtype`: the model's dtype; `None` means `config.dtype`.
+
+    **Returns:**
+
+    The [`Mistral`][] model.
+    """
+    missing = [name for name in _hf_names(config) if name not in state_dict]
+    if missing:
+        raise KeyError(f"`state_dict` must hold every Mistral tensor; missing {missing[:5]}.")
+    dtype = _resolve_dtype(config, dtype)
+    return _assemble(lambda name: np.asarray(state_dict[name]), config, dtype)
+
+
+def _hf_sources(model: Mistral) -> list[tuple[str, Array, int | None]]:
+    """Every HF tensor of `model` as (name, array, layer index or None), in HF order.
+
+    Layer tensors are referenced, not sliced, so that listing them copies nothing.
+    """
+    sources: list[tuple[str, Array, int | None]] = [(_EMBED, model.embed_tokens.weight, None)]
+    for i in range(model.config.num_hidden_layers):
+        for name, where in _BLOCK_TENSORS.items():
+            sources.append((_layer_name(i, name), where(model.layers), i))
+    sources.append((_NORM, model.norm.weight, None))
+    sources.append((_HEAD, model.lm_head.weight, None))
+    return sources
+
+
+def _host_copy(array: Array, index: int | None) -> np.ndarray:
+    return np.asarray(array if index is None else array[index])
+
+
+def _nbytes(array: Array, index: int | None) -> int:
+    return array.nbytes if index is None else array.nbytes // array.shape[0]
+
+
+def to_hf_state_dict(model: Mistral) -> dict[str, np.ndarray]:
+    """The HuggingFace state dict of `model`: HF tensor names to numpy arrays (copies)."""
+    return {name: _host_copy(array, index) for name, array, index in _hf_sources(model)}
+
+
+def _import_safetensors() -> Any:
+    try:
+        import safetensors
+        import safetensors.numpy
+    except ImportError as e:
+        raise ImportError(
+            "Reading and writing HF checkpoints needs safetensors: `pip install safetensors` "
+            "(or `pip install eqx_lean[io]`)."
+        ) from e
+    return safetensors
+
+
+_INDEX = "model.safetensors.index.json"
+_SINGLE = "model.safetensors"
+
+
+def _checkpoint_files(path: str) -> dict[str, str]:
+    """Tensor name -> safetensors file, for a single-file or a sharded (indexed) checkpoint."""
+    index = os.path.join(path, _INDEX)
+    if os.path.exists(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        return {name: os.path.join(path, file) for name, file in weight_map.items()}
+    single = os.path.join(path, _SINGLE)
+    if os.path.exists(single):
+        safetensors = _import_safetensors()
+        with safetensors.safe_open(single, framework="np") as f:
+            return dict.fromkeys(f.keys(), single)
+    raise FileNotFoundError(
+        f"`path` must be a HF checkpoint directory holding `{_SINGLE}` or `{_INDEX}`; "
+        f"found neither in {path!r}."
+    )
+
+
+def load_hf(path: str | os.PathLike, *, dtype: Any = None, sharding: Any = None) -> Mistral:
+    """Loads a HuggingFace Mistral checkpoint directory.
+
+    TODO(eqx_lean.load_stacked): tensors are read one at a time with `safetensors.safe_open`
+    and written into preallocated stacked buffers; replace with the streaming
+    `eqx_lean.load_stacked` once that lands.
+
+    **Arguments:**
+
+    - `path`: a directory with `config.json` and `model.safetensors` or a sharded
+        `model.safetensors.index.json` (as written by `save_pretrained` or [`save_hf`][]).
+    - `dtype`: the model's dtype; `None` means the checkpoint's (`config.json`'s `dtype`).
+    - `sharding`: reserved; must be `None` for now.
+
+    **Returns:**
+
+    The [`Mistral`][] model.
+    """
+    if sharding is not None:
+        raise NotImplementedError("`sharding` is not supported yet; pass `sharding=None`.")
+    path = os.fspath(path)
+    config = MistralConfig.from_json(path)
+    files = _checkpoint_files(path)
+    missing = [name for name in _hf_names(config) if name not in files]
+    if missing:
+        raise KeyError(f"the checkpoint in {path!r} must hold every tensor; missing {missing[:5]}.")
+    safetensors = _import_safetensors()
+    handles: dict[str, Any] = {}
+
+    def get_tensor(name: str) -> np.ndarray:
+        file = files[name]
+        if file not in handles:
+            handles[file] = safetensors.safe_open(file, framework="np")
+        return handles[file].get_tensor(name)
+
+    return _assemble(get_tensor, config, _resolve_dtype(config, dtype))
+
+
+def _shards(
+    sources: list[tuple[str, Array, int | None]], max_shard_bytes: int
+) -> list[list[tuple[str, Array, int | None]]]:
+    shards: list[list[tuple[str, Array, int | None]]] = [[]]
+    total = 0
+    for source in sources:
+        size = _nbytes(source[1], source[2])
+        if shards[-1] and total + size > max_shard_bytes:
+            shards.append([])
+            total = 0
+        shards[-1].append(source)
+        total += size
+    return shards
+
+
+def save_hf(model: Mistral, path: str | os.PathLike, *, max_shard_bytes: int = 2 * 2**30) -> None:
+    """Writes `model` as a HuggingFace checkpoint that `transformers` loads.
+
+    Writes `config.json` and `model.safetensors`, or, when the model exceeds
+    `max_shard_bytes`, numbered shards and `model.safetensors.index.json`. Only one shard is
+    copied to host memory at a time.
+
+    **Arguments:**
+
+    - `model`: the [`Mistral`][] model.
+    - `path`: the directory to write (created if needed).
+    - `max_shard_bytes`: the largest shard size (a single larger tensor gets its own shard).
+    """
+    safetensors = _import_safetensors()
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    config = model.config.to_hf()
+    config["dtype"] = jnp.dtype(model.dtype).name
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+
+    sources = _hf_sources(model)
+    shards = _shards(sources, max_shard_bytes)
+    count = len(shards)
+    file_names = (
+        [_SINGLE]
+        if count == 1
+        else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+    )
+    for shard, file_name in zip(shards, file_names, strict=True):
+        arrays = {name: _host_copy(array, index) for name, array, index in shard}
+        file = os.path.join(path, file_name)
+        safetensors.numpy.save_file(arrays, file, metadata={"format": "pt"})
+        del arrays
+    if count > 1:
+        total = sum(_nbytes(array, index) for _, array, index in sources)
+        weight_map = {}
+        for shard, file_name in zip(shards, file_names, strict=True):
+            weight_map.update(dict.fromkeys((name for name, _, _ in shard), file_name))
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        with open(os.path.join(path, _INDEX), "w") as f:
+            json.dump(index, f, indent=2)

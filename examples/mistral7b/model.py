@@ -1,0 +1,474 @@
+"""The Mistral model in Equinox, its decoder blocks stacked on a leading layer axis.
+
+Numerics follow HuggingFace `transformers` (`MistralForCausalLM`, eager attention) so that
+logits agree to float32 rounding: RMSNorm in float32, rotary embeddings in HF's `rotate_half`
+layout, softmax in float32, a sliding window in which a query sees `sliding_window` keys
+including itself.
+"""
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
+
+import eqx_lean
+
+from .config import MistralConfig
+
+
+_Carry = TypeVar("_Carry")
+
+
+def _scan_blocks(
+    stacked: Any,
+    carry: _Carry,
+    xs: Any,
+    *,
+    call: Callable[[Any, _Carry, Any], tuple[_Carry, Any]],
+    remat: bool | None = None,
+) -> tuple[_Carry, Any]:
+    """Runs `call(block, carry, x_i) -> (carry, y_i)` over the layers of a stacked module.
+
+    TODO(eqx_lean.scan): a stand-in with the same signature as `eqx_lean.scan`; replace it
+    with `eqx_lean.scan(stacked, carry, xs, call=call, remat=remat)` once that lands.
+    """
+    dynamic, static = eqx.partition(stacked, eqx.is_array)
+
+    def body(carry: _Carry, inputs: tuple[Any, Any]) -> tuple[_Carry, Any]:
+        layer, x_i = inputs
+        return call(eqx.combine(layer, static), carry, x_i)
+
+    if remat:
+        body = jax.checkpoint(body)
+    return lax.scan(body, carry, (dynamic, xs))
+
+
+def _project(linear: eqx.nn.Linear, x: Float[Array, "... in"]) -> Float[Array, "... out"]:
+    # `eqx.nn.Linear` maps one vector; an einsum maps any leading axes, like torch's Linear.
+    return jnp.einsum("...i,oi->...o", x, linear.weight)
+
+
+class RMSNorm(eqx.Module):
+    """Root-mean-square normalisation with HuggingFace's numerics.
+
+    The statistics are computed in float32 and the normalised values are cast back to the
+    input dtype before the weight multiplies them.
+    """
+
+    weight: Float[Array, " dim"]
+    eps: float = eqx.field(static=True)
+
+    def __call__(self, x: Float[Array, "... dim"]) -> Float[Array, "... dim"]:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
+        out_dtype = jnp.promote_types(self.weight.dtype, x.dtype)
+        weight = self.weight.astype(out_dtype).reshape((1,) * (x.ndim - 1) + (-1,))
+        return weight * normed.astype(x.dtype).astype(out_dtype)
+
+
+def rotary_cos_sin(
+    positions: Int[Array, " seq"], head_dim: int, theta: float, dtype: Any
+) -> tuple[Float[Array, "seq head_dim"], Float[Array, "seq head_dim"]]:
+    """The rotary tables for `positions`, in HF's layout: both halves carry the same angles."""
+    exponents = jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
+
+
+def _rotate_half(x: Float[Array, "... d"]) -> Float[Array, "... d"]:
+    first, second = jnp.split(x, 2, axis=-1)
+    return jnp.concatenate([-second, first], axis=-1)
+
+
+def _apply_rotary(
+    x: Float[Array, "batch seq heads d"], cos: Float[Array, "seq d"], sin: Float[Array, "seq d"]
+) -> Float[Array, "batch seq heads d"]:
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    return x * cos + _rotate_half(x) * sin
+
+
+def attention_mask(
+    query_positions: Int[Array, " q"], key_positions: Int[Array, " k"], sliding_window: int | None
+) -> Bool[Array, "q k"]:
+    """Which keys each query sees: causal, within the window, and never an empty slot (< 0)."""
+    q, k = query_positions[:, None], key_positions[None, :]
+    visible = (k >= 0) & (k <= q)
+    if sliding_window is not None:
+        visible = visible & (q - k < sliding_window)
+    return visible
+
+
+KV = tuple[Float[Array, "batch seq kv_heads head_dim"], Float[Array, "batch seq kv_heads head_dim"]]
+
+
+class Attention(eqx.Module):
+    """Grouped-query self-attention with rotary embeddings (HF eager-attention numerics)."""
+
+    q_proj: eqx.nn.Linear
+    k_proj: eqx.nn.Linear
+    v_proj: eqx.nn.Linear
+    o_proj: eqx.nn.Linear
+    num_heads: int = eqx.field(static=True)
+    num_kv_heads: int = eqx.field(static=True)
+    head_dim: int = eqx.field(static=True)
+    sliding_window: int | None = eqx.field(static=True)
+
+    def __call__(
+        self,
+        x: Float[Array, "batch seq hidden"],
+        rotary: tuple[Float[Array, "seq head_dim"], Float[Array, "seq head_dim"]],
+        positions: Int[Array, " seq"],
+        past: KV | None = None,
+        past_positions: Int[Array, " past"] | None = None,
+    ) -> tuple[Float[Array, "batch seq hidden"], KV]:
+        """Attends from `x` to itself and to `past` (keys and values already rotated).
+
+        **Returns:**
+
+        The attention output and this call's new (rotated) keys and values.
+        """
+        batch, seq, _ = x.shape
+        groups = self.num_heads // self.num_kv_heads
+        cos, sin = rotary
+        q = _project(self.q_proj, x).reshape(batch, seq, self.num_heads, self.head_dim)
+        k = _project(self.k_proj, x).reshape(batch, seq, self.num_kv_heads, self.head_dim)
+        v = _project(self.v_proj, x).reshape(batch, seq, self.num_kv_heads, self.head_dim)
+        q, k = _apply_rotary(q, cos, sin), _apply_rotary(k, cos, sin)
+
+        keys, values, key_positions = k, v, positions
+        if past is not None:
+            assert past_positions is not None
+            keys = jnp.concatenate([past[0], k], axis=1)
+            values = jnp.concatenate([past[1], v], axis=1)
+            key_positions = jnp.concatenate([past_positions, positions])
+
+        # Query head h reads key/value head h // groups, as HF's `repeat_kv` arranges them.
+        q = q.reshape(batch, seq, self.num_kv_heads, groups, self.head_dim)
+        scores = jnp.einsum("btgrd,bsgd->bgrts", q, keys) * self.head_dim**-0.5
+        mask = attention_mask(positions, key_positions, self.sliding_window)
+        scores = jnp.where(mask[None, None, None], scores, jnp.finfo(scores.dtype).min)
+        weights = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(x.dtype)
+        out = jnp.einsum("bgrts,bsgd->btgrd", weights, values)
+        out = out.reshape(batch, seq, self.num_heads * self.head_dim)
+        return _project(self.o_proj, out), (k, v)
+
+
+class MLP(eqx.Module):
+    """The SwiGLU feed-forward block: `down(silu(gate(x)) * up(x))`."""
+
+    gate_proj: eqx.nn.Linear
+    up_proj: eqx.nn.Linear
+    down_proj: eqx.nn.Linear
+
+    def __call__(self, x: Float[Array, "... hidden"]) -> Float[Array, "... hidden"]:
+        gate = jax.nn.silu(_project(self.gate_proj, x))
+        return _project(self.down_proj, gate * _project(self.up_proj, x))
+
+
+class DecoderBlock(eqx.Module):
+    """One pre-norm decoder layer: attention then MLP, each with a residual connection."""
+
+    input_layernorm: RMSNorm
+    self_attn: Attention
+    post_attention_layernorm: RMSNorm
+    mlp: MLP
+
+    def __call__(
+        self,
+        x: Float[Array, "batch seq hidden"],
+        rotary: tuple[Float[Array, "seq head_dim"], Float[Array, "seq head_dim"]],
+        positions: Int[Array, " seq"],
+        past: KV | None = None,
+        past_positions: Int[Array, " past"] | None = None,
+    ) -> tuple[Float[Array, "batch seq hidden"], KV]:
+        attended, kv = self.self_attn(
+            self.input_layernorm(x), rotary, positions, past, past_positions
+        )
+        x = x + attended
+        return x + self.mlp(self.post_attention_layernorm(x)), kv
+
+
+class KVCache(eqx.Module):
+    """A fixed-size key/value cache for every layer, used as a ring buffer.
+
+    Position `p` lives in slot `p % size`; `slot_positions` records which position each slot
+    holds (-1 while empty), so the attention mask (causal and sliding-window) is computed from
+    absolute positions and a cache of `sliding_window` slots serves any sequence length.
+    """
+
+    keys: Float[Array, "layers batch size kv_heads head_dim"]
+    values: Float[Array, "layers batch size kv_heads head_dim"]
+    slot_positions: Int[Array, " size"]
+    next_position: Int[Array, ""]
+
+    @classmethod
+    def empty(cls, config: MistralConfig, batch_size: int, size: int, dtype: Any) -> "KVCache":
+        """An empty cache of `size` slots per layer and sequence."""
+        if size < 1:
+            raise ValueError(f"`size` must be a positive integer; got {size}.")
+        shape = (
+            config.num_hidden_layers,
+            batch_size,
+            size,
+            config.num_key_value_heads,
+            config.resolved_head_dim,
+        )
+        return cls(
+            keys=jnp.zeros(shape, dtype),
+            values=jnp.zeros(shape, dtype),
+            slot_positions=jnp.full((size,), -1, jnp.int32),
+            next_position=jnp.zeros((), jnp.int32),
+        )
+
+    @property
+    def size(self) -> int:
+        return self.slot_positions.shape[0]
+
+    def write(self, new_keys: Array, new_values: Array, positions: Int[Array, " seq"]) -> "KVCache":
+        """Stores the new entries `[layers, batch, seq, ...]` for `positions` into their slots."""
+        keep = min(positions.shape[0], self.size)  # older entries would be overwritten anyway
+        positions = positions[-keep:]
+        slots = positions % self.size
+        return KVCache(
+            keys=self.keys.at[:, :, slots].set(new_keys[:, :, -keep:]),
+            values=self.values.at[:, :, slots].set(new_values[:, :, -keep:]),
+            slot_positions=self.slot_positions.at[slots].set(positions),
+            next_position=positions[-1] + 1,
+        )
+
+
+class Mistral(eqx.Module):
+    """Mistral: token embedding, stacked decoder blocks, final RMSNorm, untied LM head.
+
+    `layers` is a single [`DecoderBlock`][] whose array leaves carry a leading layer axis (as
+    built by [`eqx_lean.build_stacked`][]). Call the model on `input_ids` of shape
+    `[batch, seq]` for logits `[batch, seq, vocab]`; use [`Mistral.step`][] with a
+    [`KVCache`][] for incremental decoding.
+    """
+
+    embed_tokens: eqx.nn.Embedding
+    layers: DecoderBlock
+    norm: RMSNorm
+    lm_head: eqx.nn.Linear
+    config: MistralConfig = eqx.field(static=True)
+
+    @property
+    def dtype(self) -> Any:
+        return self.embed_tokens.weight.dtype
+
+    def _logits(
+        self,
+        input_ids: Int[Array, "batch seq"],
+        positions: Int[Array, " seq"],
+        past: KV | None,
+        past_positions: Int[Array, " past"] | None,
+        *,
+        remat: bool | None = None,
+    ) -> tuple[Float[Array, "batch seq vocab"], KV | None]:
+        if input_ids.ndim != 2:
+            raise ValueError(f"`input_ids` must have shape [batch, seq]; got {input_ids.shape}.")
+        x = self.embed_tokens.weight[input_ids]
+        config = self.config
+        rotary = rotary_cos_sin(positions, config.resolved_head_dim, config.rope_theta, x.dtype)
+        keep_kv = past is not None
+
+        def call(block: DecoderBlock, x: Array, past_i: KV | None) -> tuple[Array, KV | None]:
+            x, kv = block(x, rotary, positions, past_i, past_positions)
+            return x, (kv if keep_kv else None)
+
+        x, new_kv = _scan_blocks(self.layers, x, past, call=call, remat=remat)
+        return _project(self.lm_head, self.norm(x)), new_kv
+
+    def __call__(
+        self, input_ids: Int[Array, "batch seq"], *, remat: bool | None = None
+    ) -> Float[Array, "batch seq vocab"]:
+        """Logits for every position of `input_ids` (causal, from position 0).
+
+        **Arguments:**
+
+        - `input_ids`: integer token ids of shape `[batch, seq]`.
+        - `remat`: recompute each block's activations in the backward pass (for training).
+
+        **Returns:**
+
+        Logits of shape `[batch, seq, vocab]`, in the model's dtype.
+        """
+        positions = jnp.arange(input_ids.shape[1], dtype=jnp.int32)
+        logits, _ = self._logits(input_ids, positions, None, None, remat=remat)
+        return logits
+
+    def step(
+        self, input_ids: Int[Array, "batch seq"], cache: KVCache
+    ) -> tuple[Float[Array, "batch seq vocab"], KVCache]:
+        """Runs `input_ids` as the next positions after those in `cache` (prefill or decode).
+
+        **Arguments:**
+
+        - `input_ids`: the new tokens, shape `[batch, seq]` (`seq=1` for a decode step).
+        - `cache`: the cache from [`KVCache.empty`][] or a previous step.
+
+        **Returns:**
+
+        The logits of the new tokens `[batch, seq, vocab]` and the updated cache.
+        """
+        seq = input_ids.shape[1]
+        positions = cache.next_position + jnp.arange(seq, dtype=jnp.int32)
+        logits, new_kv = self._logits(
+            input_ids, positions, (cache.keys, cache.values), cache.slot_positions
+        )
+        assert new_kv is not None
+        return logits, cache.write(new_kv[0], new_kv[1], positions)
+
+
+def _normal(key: PRNGKeyArray, shape: tuple[int, ...], std: float) -> Array:
+    return std * jax.random.normal(key, shape, jnp.float32)
+
+
+def _linear(in_features: int, out_features: int, std: float, *, key: PRNGKeyArray) -> eqx.nn.Linear:
+    # Equinox's uniform init is replaced; under `jit` XLA drops the unused random draw.
+    linear = eqx.nn.Linear(in_features, out_features, use_bias=False, key=key)
+    return eqx.tree_at(lambda m: m.weight, linear, _normal(key, (out_features, in_features), std))
+
+
+def _rms_norm(config: MistralConfig, norm_std: float, *, key: PRNGKeyArray) -> RMSNorm:
+    weight = jnp.ones((config.hidden_size,), jnp.float32)
+    if norm_std:
+        weight = weight + _normal(key, (config.hidden_size,), norm_std)
+    return RMSNorm(weight, config.rms_norm_eps)
+
+
+def make_block(
+    config: MistralConfig,
+    *,
+    key: PRNGKeyArray,
+    std: float | None = None,
+    norm_std: float = 0.0,
+) -> DecoderBlock:
+    """Builds one decoder block with HF-like random init (float32).
+
+    **Arguments:**
+
+    - `config`: the model shape.
+    - `key`: the block's random key.
+    - `std`: standard deviation of the normal init of every matrix; `None` means
+        `config.initializer_range` (0.02, as HF).
+    - `norm_std`: RMSNorm weights are `1 + norm_std * normal` (HF: 0; tests use more, so that
+        norms are not the identity).
+
+    **Returns:**
+
+    A [`DecoderBlock`][].
+    """
+    std = config.initializer_range if std is None else std
+    hidden, inner, head_dim = config.hidden_size, config.intermediate_size, config.resolved_head_dim
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    keys = jax.random.split(key, 9)
+    attention = Attention(
+        q_proj=_linear(hidden, heads * head_dim, std, key=keys[0]),
+        k_proj=_linear(hidden, kv_heads * head_dim, std, key=keys[1]),
+        v_proj=_linear(hidden, kv_heads * head_dim, std, key=keys[2]),
+        o_proj=_linear(heads * head_dim, hidden, std, key=keys[3]),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        sliding_window=config.sliding_window,
+    )
+    mlp = MLP(
+        gate_proj=_linear(hidden, inner, std, key=keys[4]),
+        up_proj=_linear(hidden, inner, std, key=keys[5]),
+        down_proj=_linear(inner, hidden, std, key=keys[6]),
+    )
+    return DecoderBlock(
+        input_layernorm=_rms_norm(config, norm_std, key=keys[7]),
+        self_attn=attention,
+        post_attention_layernorm=_rms_norm(config, norm_std, key=keys[8]),
+        mlp=mlp,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _BlockFactory:
+    """`make_block` with its settings bound; equal by value, so that `build_stacked` reuses
+    its compiled per-layer writes for every model of the same configuration."""
+
+    config: MistralConfig
+    std: float | None
+    norm_std: float
+
+    def __call__(self, key: PRNGKeyArray) -> DecoderBlock:
+        return make_block(self.config, key=key, std=self.std, norm_std=self.norm_std)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _normal_matrix(key: PRNGKeyArray, shape: tuple[int, int], std: float, dtype: Any) -> Array:
+    # Jitted so that the float32 draw is a temporary freed before the next tensor is built.
+    return _normal(key, shape, std).astype(dtype)
+
+
+def _resolve_dtype(config: MistralConfig, dtype: Any) -> Any:
+    return jnp.dtype(config.dtype if dtype is None else dtype)
+
+
+def init(
+    config: MistralConfig,
+    *,
+    key: PRNGKeyArray,
+    dtype: Any = None,
+    std: float | None = None,
+    norm_std: float = 0.0,
+    progress: bool = False,
+) -> Mistral:
+    """Builds a randomly initialised Mistral without ever holding it at float32.
+
+    The embedding, head and final norm are built first (each one's float32 temporaries are
+    freed before the next), then the blocks with [`eqx_lean.build_stacked`][] one layer at a
+    time, so the peak stays near the final size plus one layer's largest matrix.
+
+    **Arguments:**
+
+    - `config`: the model shape.
+    - `key`: the random key.
+    - `dtype`: the storage and compute dtype; `None` means `config.dtype`.
+    - `std`, `norm_std`: as for [`make_block`][] (embedding and head use `std` too).
+    - `progress`: show a progress bar over the layers.
+
+    **Returns:**
+
+    The [`Mistral`][] model.
+    """
+    dtype = _resolve_dtype(config, dtype)
+    std = config.initializer_range if std is None else std
+    embed_key, head_key, norm_key, layers_key = jax.random.split(key, 4)
+    embed = _normal_matrix(embed_key, (config.vocab_size, config.hidden_size), std, dtype)
+    head = _normal_matrix(head_key, (config.vocab_size, config.hidden_size), std, dtype)
+    norm = _rms_norm(config, norm_std, key=norm_key)
+    norm = RMSNorm(norm.weight.astype(dtype), norm.eps)
+    layers = eqx_lean.build_stacked(
+        _BlockFactory(config, std, norm_std),
+        jax.random.split(layers_key, config.num_hidden_layers),
+        dtype,
+        progress=progress,
+    )
+    return Mistral(
+        embed_tokens=eqx.nn.Embedding(weight=embed),
+        layers=layers,
+        norm=norm,
+        lm_head=_linear_from_weight(head),
+        config=config,
+    )
+
+
+def _linear_from_weight(weight: Float[Array, "out in"]) -> eqx.nn.Linear:
+    out_features, in_features = weight.shape
+    abstract = eqx.filter_eval_shape(
+        lambda: eqx.nn.Linear(in_features, out_features, use_bias=False, key=jax.random.key(0))
+    )
+    return eqx.tree_at(lambda m: m.weight, abstract, weight)
