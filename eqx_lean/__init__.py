@@ -15,6 +15,7 @@ from ._io import (
     save_stacked as save_stacked,
     save_tensors as save_tensors,
 )
+from ._policy import fsdp as fsdp
 
 
 __version__ = "0.1.0"

@@ -11,13 +11,13 @@ import pytest
 
 import examples.mistral7b.train as train_module
 from examples.mistral7b import (
+    KVCache,
+    MistralConfig,
     decode_step,
     from_hf_state_dict,
     generate,
     init,
-    KVCache,
     load_hf,
-    MistralConfig,
     save_hf,
     to_hf_state_dict,
 )

@@ -13,8 +13,8 @@ from .hf import (
 )
 from .model import (
     DecoderBlock as DecoderBlock,
-    init as init,
     KVCache as KVCache,
-    make_block as make_block,
     Mistral as Mistral,
+    init as init,
+    make_block as make_block,
 )

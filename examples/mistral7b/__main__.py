@@ -30,7 +30,7 @@ def _gib(kib_or_bytes: float, *, kib: bool = True) -> str:
 
 
 def build(args: argparse.Namespace) -> None:
-    from . import generate, init, MistralConfig, save_hf
+    from . import MistralConfig, generate, init, save_hf
 
     config = MistralConfig.preset(args.preset)
     if args.layers:
@@ -98,7 +98,7 @@ def generate_command(args: argparse.Namespace) -> None:
 
 
 def train_command(args: argparse.Namespace) -> None:
-    from .train import load_text, split_text, train, TrainSettings, unigram_entropy
+    from .train import TrainSettings, load_text, split_text, train, unigram_entropy
 
     settings = TrainSettings(steps=args.steps, seed=args.seed)
     _, losses, held_out = train(settings=settings)

@@ -16,7 +16,7 @@ from jaxtyping import Array
 import eqx_lean
 
 from .config import MistralConfig
-from .model import _linear_from_weight, _resolve_dtype, DecoderBlock, make_block, Mistral, RMSNorm
+from .model import DecoderBlock, Mistral, RMSNorm, _linear_from_weight, _resolve_dtype, make_block
 
 
 # HF tensor name inside `model.layers.{i}.` -> the leaf of one `DecoderBlock`.

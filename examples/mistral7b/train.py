@@ -16,7 +16,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .config import MistralConfig
-from .model import init, Mistral
+from .model import Mistral, init
 
 
 TEXT_PATH = os.path.join(os.path.dirname(__file__), "data", "declaration_of_independence.txt")
