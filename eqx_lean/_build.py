@@ -1,7 +1,9 @@
 """Memory-lean construction of stacked layers: one layer at a time into preallocated buffers."""
 
+import concurrent.futures
 import ctypes
 import functools
+import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple, TypeVar, cast
 
@@ -412,12 +414,16 @@ class _Plan(NamedTuple):
 def _compile_writes(plan: _Plan, keys: Any, make_layer: Callable[[PRNGKeyArray], Any]) -> list[Any]:
     """Compiles the write of every group (a cache hit when built before) and returns them."""
     index = jax.ShapeDtypeStruct((), jnp.int32, weak_type=True)
-    return [
+    lowered = [
         _write_layer_donated.lower(
             plan.buffer_structs(group), keys, index, make_layer, plan.signature, group
-        ).compile()
+        )
         for group in plan.groups
     ]
+    # XLA compiles without the GIL, so the groups' writes compile side by side.
+    workers = max(1, min(len(lowered), os.cpu_count() or 1))
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(lambda x: x.compile(), lowered))
 
 
 def write_temp_bytes(
