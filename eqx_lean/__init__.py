@@ -7,6 +7,7 @@ from ._build import (
     stack as stack,
     unstack as unstack,
 )
+from ._scan import fold as fold, NestedRemat as NestedRemat, scan as scan
 
 
 __version__ = "0.1.0"
