@@ -16,6 +16,7 @@ from ._io import (
     save_tensors as save_tensors,
 )
 from ._policy import fsdp as fsdp
+from ._scan import NestedRemat as NestedRemat, fold as fold, scan as scan
 
 
 __version__ = "0.1.0"

@@ -1,0 +1,387 @@
+"""Forward helpers over stacked layers: `fold` and `scan`, with gradient checkpointing."""
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal, TypeAlias, TypeVar
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jaxtyping import Array, PRNGKeyArray, PyTree
+
+from ._build import _num_layers_of_stack
+
+
+Carry = TypeVar("Carry")
+Y = TypeVar("Y")
+
+_Policy: TypeAlias = Callable[..., bool]
+
+
+class NestedRemat(eqx.Module):
+    """Nested (√L) gradient checkpointing for [`eqx_lean.scan`][] and [`eqx_lean.fold`][].
+
+    The `L` layers are split into groups of `group_size` consecutive layers: an outer scan runs
+    over the groups and checkpoints each group (saving only the carry that enters it), and an
+    inner scan runs over the layers of a group, checkpointing each layer with `policy`. The
+    backward pass therefore holds about `L / group_size + group_size` carries plus the
+    activations of one layer, at the price of about two extra forward passes (one to recompute
+    a group's carries, one to recompute a layer's activations). With `group_size ≈ √L` this is
+    the lowest-memory scheme, like Flax's `nn.remat_scan`.
+
+    When `group_size` does not divide `L`, the last `L mod group_size` layers form one shorter
+    group. The stacked arrays are then split in two by slicing, which inside `jax.jit` costs a
+    copy of the stacked parameters; pick a `group_size` that divides `L` to avoid it (the default
+    does so whenever `L` has a divisor within a factor of two of `√L`).
+
+    **Arguments:**
+
+    - `group_size`: layers per group; `None` picks the divisor of `L` closest to `√L` when one
+        lies in `[√L / 2, 2√L]`, and `round(√L)` (with a shorter last group) otherwise.
+    - `policy`: the checkpoint policy of each layer inside a group (an entry of
+        `jax.checkpoint_policies`); `None` saves nothing, recomputing the whole layer.
+    """
+
+    group_size: int | None = eqx.field(static=True, default=None)
+    policy: _Policy | None = eqx.field(static=True, default=None)
+
+    def __check_init__(self):
+        if self.group_size is not None and (
+            not isinstance(self.group_size, int | np.integer) or self.group_size < 1
+        ):
+            raise ValueError(
+                f"`group_size` must be a positive integer or None; got {self.group_size!r}."
+            )
+        if self.policy is not None and not callable(self.policy):
+            raise TypeError(
+                "`policy` must be None or a checkpoint policy such as "
+                f"`jax.checkpoint_policies.dots_saveable`; got {self.policy!r}."
+            )
+
+
+Remat: TypeAlias = bool | _Policy | NestedRemat | Literal["nested"] | None
+
+
+def _check_remat(remat: Any) -> None:
+    if remat is None or isinstance(remat, bool | NestedRemat) or remat == "nested":
+        return
+    if callable(remat):
+        return
+    raise ValueError(
+        "`remat` must be None, True, a `jax.checkpoint_policies` policy, 'nested' or an "
+        f"`eqx_lean.NestedRemat(...)`; got {remat!r}."
+    )
+
+
+def _default_group_size(num_layers: int) -> int:
+    root = math.sqrt(num_layers)
+    divisors = [d for d in range(1, num_layers + 1) if num_layers % d == 0]
+    near = [d for d in divisors if root / 2 <= d <= 2 * root]
+    if near:
+        return min(near, key=lambda d: (abs(d - root), d))
+    return max(1, round(root))
+
+
+def _struct_of(x: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
+
+
+def _carry_mismatch(expected: Any, found: Any, name: str) -> str | None:
+    """Describes how `found` differs from the `expected` carry, or returns None if it does not."""
+    expected_treedef = jax.tree.structure(expected)
+    found_treedef = jax.tree.structure(found)
+    if expected_treedef != found_treedef:
+        return f"`{name}` has structure {expected_treedef} but the layer returned {found_treedef}"
+    paths = jax.tree_util.tree_flatten_with_path(expected)[0]
+    for (path, a), b in zip(paths, jax.tree.leaves(found), strict=True):
+        a, b = _struct_of(a), _struct_of(b)
+        if a.shape != b.shape or a.dtype != b.dtype:
+            where = f"{name}{jax.tree_util.keystr(path)}"
+            return (
+                f"`{where}` is {a.dtype}{list(a.shape)} but the layer returned "
+                f"{b.dtype}{list(b.shape)}"
+            )
+    return None
+
+
+def _check_xs(xs: Any, num_layers: int) -> None:
+    for path, leaf in jax.tree_util.tree_flatten_with_path(xs)[0]:
+        where = f"xs{jax.tree_util.keystr(path)}"
+        if not eqx.is_array_like(leaf):
+            raise TypeError(
+                f"`xs` must be a pytree of arrays with a leading layer axis; `{where}` is a "
+                f"{type(leaf).__name__}."
+            )
+        shape = jnp.shape(leaf)
+        if len(shape) == 0 or shape[0] != num_layers:
+            raise ValueError(
+                f"`xs` must have a leading layer axis of length L={num_layers} (the number of "
+                f"stacked layers) on every leaf, one slice per layer; `{where}` has shape "
+                f"{list(shape)}."
+            )
+
+
+def _layer_step(
+    static: Any, call: Callable[..., tuple[Any, Any]], carry_name: str
+) -> Callable[[Any, Any, Any], tuple[Any, Any]]:
+    """The function of one layer: `(layer arrays, carry, x_i) -> (carry, y_i)`, checked."""
+
+    def step(dynamic: Any, carry: Any, x: Any) -> tuple[Any, Any]:
+        out = call(eqx.combine(dynamic, static), carry, x)
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise TypeError(
+                "`call` must return a pair `(carry, y)` for each layer; got "
+                f"{type(out).__name__}{'' if not isinstance(out, tuple) else f' of {len(out)}'}."
+            )
+        new_carry, y = out
+        mismatch = _carry_mismatch(carry, new_carry, carry_name)
+        if mismatch is not None:
+            raise ValueError(
+                f"`{carry_name}` is carried from layer to layer, so every layer must return it "
+                f"with the same pytree structure, shapes and dtypes as it was given; {mismatch}."
+            )
+        # Matching the input's pytree (aux data included) keeps lax.scan's own check quiet.
+        new_carry = jax.tree.unflatten(jax.tree.structure(carry), jax.tree.leaves(new_carry))
+        return new_carry, y
+
+    return step
+
+
+def _checkpointed(
+    step: Callable[[Any, Any, Any], tuple[Any, Any]], policy: _Policy | None
+) -> Callable[[Any, Any, Any], tuple[Any, Any]]:
+    # Inside a scan body there is nothing for CSE to merge across iterations, so the
+    # optimisation barrier that prevent_cse adds would only cost performance.
+    return jax.checkpoint(step, prevent_cse=False, policy=policy)
+
+
+def _scan_layers(
+    step: Callable[[Any, Any, Any], tuple[Any, Any]],
+    dynamic: Any,
+    carry: Any,
+    xs: Any,
+    unroll: int | bool,
+) -> tuple[Any, Any]:
+    def body(carry: Any, sliced: tuple[Any, Any]) -> tuple[Any, Any]:
+        layer, x = sliced
+        return step(layer, carry, x)
+
+    return lax.scan(body, carry, (dynamic, xs), unroll=unroll)
+
+
+def _split_groups(tree: Any, num_groups: int, group_size: int) -> tuple[Any, Any]:
+    """Splits the leading axis of every leaf into `(num_groups, group_size)` plus a remainder."""
+    main_len = num_groups * group_size
+
+    def main(x: Array) -> Array:
+        x = x if x.shape[0] == main_len else x[:main_len]
+        return x.reshape(num_groups, group_size, *x.shape[1:])
+
+    return jax.tree.map(main, tree), jax.tree.map(lambda x: x[main_len:], tree)
+
+
+def _merge_groups(main: Any, rest: Any, has_rest: bool) -> Any:
+    def merge(m: Array, r: Array | None) -> Array:
+        m = m.reshape(-1, *m.shape[2:])
+        return m if r is None else jnp.concatenate([m, r])
+
+    if not has_rest:
+        return jax.tree.map(lambda m: merge(m, None), main)
+    return jax.tree.map(merge, main, rest)
+
+
+def _nested_scan(
+    step: Callable[[Any, Any, Any], tuple[Any, Any]],
+    dynamic: Any,
+    carry: Any,
+    xs: Any,
+    num_layers: int,
+    remat: NestedRemat,
+    unroll: int | bool,
+) -> tuple[Any, Any]:
+    group_size = remat.group_size or _default_group_size(num_layers)
+    group_size = min(group_size, num_layers)
+    num_groups, rest = divmod(num_layers, group_size)
+    inner = _checkpointed(step, remat.policy)
+
+    def group(layers: Any, carry: Any, group_xs: Any) -> tuple[Any, Any]:
+        return _scan_layers(inner, layers, carry, group_xs, unroll)
+
+    outer = _checkpointed(group, jax.checkpoint_policies.nothing_saveable)
+    main_layers, rest_layers = _split_groups(dynamic, num_groups, group_size)
+    main_xs, rest_xs = _split_groups(xs, num_groups, group_size)
+    carry, main_ys = _scan_layers(outer, main_layers, carry, main_xs, unroll=1)
+    rest_ys = None
+    if rest:
+        carry, rest_ys = outer(rest_layers, carry, rest_xs)
+    return carry, _merge_groups(main_ys, rest_ys, has_rest=bool(rest))
+
+
+def _scan(
+    stacked: Any,
+    carry: Any,
+    xs: Any,
+    call: Callable[..., tuple[Any, Any]],
+    remat: Remat,
+    unroll: int | bool,
+    carry_name: str,
+) -> tuple[Any, Any]:
+    _check_remat(remat)
+    dynamic, static = eqx.partition(stacked, eqx.is_array)
+    num_layers = _num_layers_of_stack(dynamic)
+    _check_xs(xs, num_layers)
+    step = _layer_step(static, call, carry_name)
+    if remat == "nested":
+        remat = NestedRemat()
+    if isinstance(remat, NestedRemat):
+        return _nested_scan(step, dynamic, carry, xs, num_layers, remat, unroll)
+    if remat is True:
+        step = _checkpointed(step, None)
+    elif callable(remat):
+        step = _checkpointed(step, remat)
+    return _scan_layers(step, dynamic, carry, xs, unroll)
+
+
+def scan(
+    stacked: PyTree,
+    carry: Carry,
+    xs: PyTree[Array] = None,
+    *,
+    call: Callable[[Any, Carry, Any], tuple[Carry, Y]],
+    remat: Remat = None,
+    unroll: int | bool = 1,
+) -> tuple[Carry, Y]:
+    """Runs the layers of a stacked module one after another, threading a carry through them.
+
+    This is `jax.lax.scan` over the layer axis, with the stacked module's static fields handled
+    for you: `call(layer_i, carry, xs[i]) -> (carry, ys[i])` for `i = 0, ..., L-1`. Per-layer
+    inputs and outputs, such as a KV cache, per-layer masks or auxiliary losses, flow through
+    `xs` and `ys`, which carry a leading layer axis.
+
+    ```python
+    def attend(layer, x, cache):
+        x, cache = layer(x, cache)
+        return x, cache
+
+    x, new_cache = eqx_lean.scan(blocks, x, cache, call=attend)
+    ```
+
+    **Stateful layers.** Stack the layers and their `eqx.nn.State` together (for example
+    `eqx_lean.build_stacked(eqx.nn.make_with_state(Block), keys)` or
+    `eqx.filter_vmap(eqx.nn.make_with_state(Block))(keys)`), pass the stacked state as `xs` and
+    get the updated stacked state back as `ys`:
+    `x, state = eqx_lean.scan(blocks, x, state, call=lambda layer, x, s: layer(x, s))`.
+
+    **Random keys.** Pass one key per layer in `xs`, e.g.
+    `xs=(cache, jax.random.split(key, L))`, or use [`eqx_lean.fold`][]'s `key=`.
+
+    **Arguments:**
+
+    - `stacked`: a module whose array leaves share a leading layer axis of length `L`, such as
+        the output of [`eqx_lean.build_stacked`][]. Leaves may be sharded within each layer; the
+        layer axis itself should not be sharded.
+    - `carry`: the initial carry, a pytree of arrays.
+    - `xs`: per-layer inputs: `None`, or a pytree of arrays each with leading axis `L`; layer
+        `i` receives the slice `i` of every leaf.
+    - `call`: `call(layer, carry, x_i) -> (carry, y_i)`, where `layer` is one layer (the
+        stacked module with every array indexed at `i`). The new carry must have the same
+        structure, shapes and dtypes as the old one.
+    - `remat`: gradient checkpointing. `None` saves every layer's activations for the backward
+        pass; `True` checkpoints each layer (saving only the carry between layers, recomputing
+        one layer at a time); a `jax.checkpoint_policies` policy checkpoints each layer with that
+        policy; `"nested"` or an [`eqx_lean.NestedRemat`][] uses a scan of scans for about
+        `2√L` saved carries. The values are the same whatever the choice.
+    - `unroll`: how many layers each iteration of the underlying loop runs, as for
+        `jax.lax.scan` (`True` unrolls all of them). With nested remat it applies to the inner
+        scan over the layers of a group.
+
+    **Returns:**
+
+    `(carry, ys)`: the carry after the last layer, and the per-layer outputs `y_i` stacked on a
+    new leading axis of length `L`.
+    """
+    return _scan(stacked, carry, xs, call, remat, unroll, carry_name="carry")
+
+
+def _check_call_kwargs(kwargs: Mapping[str, Any] | None, key: Any) -> dict[str, Any]:
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, Mapping):
+        raise TypeError(
+            "`kwargs` must be a dict of keyword arguments for every layer, e.g. "
+            f"`kwargs=dict(mask=mask)`; got {type(kwargs).__name__}."
+        )
+    if key is not None and "key" in kwargs:
+        raise ValueError(
+            "Pass the random key either as `fold(..., key=key)` (split into one key per layer) "
+            "or inside `kwargs`, not both."
+        )
+    return dict(kwargs)
+
+
+def _call_layer(layer: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return layer(*args, **kwargs)
+
+
+def fold(
+    stacked: PyTree,
+    x: Carry,
+    args: Sequence[Any] = (),
+    kwargs: Mapping[str, Any] | None = None,
+    *,
+    call: Callable[..., Carry] | None = None,
+    remat: Remat = None,
+    unroll: int | bool = 1,
+    key: PRNGKeyArray | None = None,
+) -> Carry:
+    """Applies the layers of a stacked module one after another: `x = layer_i(x, *args)`.
+
+    ```python
+    y = eqx_lean.fold(blocks, x)  # x = block(x) for each block
+    y = eqx_lean.fold(blocks, x, (mask,), dict(pos=pos), key=key)  # block(x, mask, pos=pos, key=k)
+    ```
+
+    The layer's own arguments go in `args` and `kwargs`, so they never collide with `fold`'s
+    options. To return something per layer (a KV cache, an auxiliary loss) or to pass stateful
+    layers their `eqx.nn.State`, use [`eqx_lean.scan`][].
+
+    **Arguments:**
+
+    - `stacked`: a module whose array leaves share a leading layer axis of length `L`.
+    - `x`: the input of the first layer; every layer must return the same structure, shapes and
+        dtypes.
+    - `args`: positional arguments after `x`, the same for every layer (arrays are closed over,
+        not sliced).
+    - `kwargs`: keyword arguments, the same for every layer.
+    - `call`: how to apply a layer: `call(layer, x, *args, **kwargs) -> x`. Defaults to
+        `layer(x, *args, **kwargs)`.
+    - `remat`: gradient checkpointing, as for [`eqx_lean.scan`][].
+    - `unroll`: as for [`eqx_lean.scan`][].
+    - `key`: if given, split into `L` keys with `jax.random.split`, layer `i` receiving the
+        `i`-th as the keyword argument `key=`.
+
+    **Returns:**
+
+    The output of the last layer.
+    """
+    if not isinstance(args, tuple | list):
+        raise TypeError(
+            "`args` must be a tuple of positional arguments for every layer, e.g. "
+            f"`args=(mask,)`; got {type(args).__name__}."
+        )
+    args = tuple(args)
+    layer_kwargs = _check_call_kwargs(kwargs, key)
+    apply = call if call is not None else _call_layer
+    keys = None
+    if key is not None:
+        dynamic, _ = eqx.partition(stacked, eqx.is_array)
+        keys = jax.random.split(key, _num_layers_of_stack(dynamic))
+
+    def step(layer: Any, carry: Any, layer_key: Any) -> tuple[Any, None]:
+        key_kwarg = {} if layer_key is None else {"key": layer_key}
+        return apply(layer, carry, *args, **key_kwarg, **layer_kwargs), None
+
+    out, _ = _scan(stacked, x, keys, step, remat, unroll, carry_name="x")
+    return out

@@ -1,0 +1,471 @@
+import os
+import subprocess
+import sys
+import textwrap
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jaxtyping import Array, PRNGKeyArray
+
+import eqx_lean
+
+
+NUM_LAYERS = 6
+DIM = 8
+
+REMATS = [
+    pytest.param(None, id="none"),
+    pytest.param(True, id="true"),
+    pytest.param(jax.checkpoint_policies.dots_saveable, id="dots_saveable"),
+    pytest.param("nested", id="nested"),
+    pytest.param(eqx_lean.NestedRemat(group_size=4), id="nested-4-with-remainder"),
+    pytest.param(
+        eqx_lean.NestedRemat(group_size=3, policy=jax.checkpoint_policies.dots_saveable),
+        id="nested-3-dots",
+    ),
+]
+
+
+@pytest.fixture(autouse=True)
+def highest_precision():
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
+def assert_close(found, expected):
+    found_leaves, found_def = jax.tree.flatten(found)
+    expected_leaves, expected_def = jax.tree.flatten(expected)
+    assert found_def == expected_def
+    assert len(expected_leaves) > 0
+    for a, b in zip(found_leaves, expected_leaves, strict=True):
+        a, b = np.asarray(a), np.asarray(b)
+        assert a.shape == b.shape and a.dtype == b.dtype
+        if not np.issubdtype(b.dtype, np.floating):
+            np.testing.assert_array_equal(a, b)
+            continue
+        bound = 1e-6 * np.maximum(1.0, np.abs(b))
+        assert np.all(np.abs(a - b) <= bound), np.max(np.abs(a - b))
+
+
+def mlp_stack(key, num_layers=NUM_LAYERS):
+    keys = jax.random.split(key, num_layers)
+    return eqx_lean.build_stacked(
+        lambda k: eqx.nn.MLP(DIM, DIM, width_size=16, depth=2, activation=jnp.tanh, key=k), keys
+    )
+
+
+def loop_fold(stacked, x):
+    for layer in eqx_lean.unstack(stacked):
+        x = layer(x)
+    return x
+
+
+@eqx.filter_jit
+def value_and_grads_of(forward, stacked, x):
+    """Output, and gradients with respect to the stacked parameters and the input."""
+
+    def loss(args):
+        out = forward(*args)
+        return jnp.sum(jnp.sin(out)), out
+
+    (_, out), grads = eqx.filter_value_and_grad(loss, has_aux=True)((stacked, x))
+    return out, grads
+
+
+# --- MLP stack --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mlp():
+    """A stacked MLP, an input, and the loop's output and gradients (computed once per module)."""
+    stacked = mlp_stack(jax.random.key(100))
+    x = jax.random.normal(jax.random.key(101), (DIM,))
+    with jax.default_matmul_precision("highest"):
+        expected = value_and_grads_of(loop_fold, stacked, x)
+    return stacked, x, expected
+
+
+@pytest.mark.parametrize("remat", REMATS)
+def test_fold_mlp_matches_loop(mlp, remat):
+    stacked, x, expected = mlp
+    found = value_and_grads_of(lambda s, x: eqx_lean.fold(s, x, remat=remat), stacked, x)
+    assert_close(found, expected)
+
+
+@pytest.mark.parametrize("unroll", [2, True])
+def test_fold_unroll_matches_loop(mlp, unroll):
+    stacked, x, expected = mlp
+    found = value_and_grads_of(lambda s, x: eqx_lean.fold(s, x, unroll=unroll), stacked, x)
+    assert_close(found, expected)
+
+
+def test_fold_under_jit_and_vmap(mlp, getkey):
+    stacked, _, _ = mlp
+    xs = jax.random.normal(getkey(), (5, DIM))
+
+    @eqx.filter_jit
+    def batched(stacked, xs):
+        return jax.vmap(lambda x: eqx_lean.fold(stacked, x, remat=True))(xs)
+
+    def batched_loop(stacked, xs):
+        return jax.vmap(lambda x: loop_fold(stacked, x))(xs)
+
+    assert_close(
+        value_and_grads_of(batched, stacked, xs), value_and_grads_of(batched_loop, stacked, xs)
+    )
+
+
+def test_fold_passes_args_kwargs_and_call(mlp, getkey):
+    stacked, _, _ = mlp
+    x = jax.random.normal(getkey(), (DIM,))
+    scale = jax.random.normal(getkey(), (DIM,))
+    shift = jnp.float32(0.5)
+
+    def call(layer, x, scale, *, shift):
+        return layer(x) * scale + shift
+
+    expected = x
+    for layer in eqx_lean.unstack(stacked):
+        expected = layer(expected) * scale + shift
+    found = eqx_lean.fold(stacked, x, (scale,), dict(shift=shift), call=call)
+    assert_close(found, expected)
+
+
+def test_fold_traces_one_layer_whatever_num_layers(getkey):
+    def count_dots(num_layers):
+        layer = eqx.nn.MLP(DIM, DIM, width_size=16, depth=2, key=getkey())
+        stacked = eqx_lean.allocate_stacked(layer, num_layers)
+        dynamic, static = eqx.partition(stacked, eqx.is_array)
+        jaxpr = jax.make_jaxpr(lambda d, x: eqx_lean.fold(eqx.combine(d, static), x))(
+            dynamic, jnp.zeros(DIM)
+        )
+        return str(jaxpr).count("dot_general")
+
+    assert count_dots(2) == count_dots(12) == 3  # the three linear layers of one MLP
+
+
+# --- attention stack with a per-layer KV cache ------------------------------------------------
+
+HEADS = 2
+HEAD_DIM = 4
+CACHE_LEN = 7
+
+
+class Attention(eqx.Module):
+    query: eqx.nn.Linear
+    key_proj: eqx.nn.Linear
+    value: eqx.nn.Linear
+    out: eqx.nn.Linear
+    num_heads: int = eqx.field(static=True)
+
+    def __init__(self, dim: int, num_heads: int, *, key: PRNGKeyArray):
+        kq, kk, kv, ko = jax.random.split(key, 4)
+        self.query = eqx.nn.Linear(dim, dim, use_bias=False, key=kq)
+        self.key_proj = eqx.nn.Linear(dim, dim, use_bias=False, key=kk)
+        self.value = eqx.nn.Linear(dim, dim, use_bias=False, key=kv)
+        self.out = eqx.nn.Linear(dim, dim, key=ko)
+        self.num_heads = num_heads
+
+    def __call__(
+        self, x: Array, cache: tuple[Array, Array], pos: Array
+    ) -> tuple[Array, tuple[Array, Array]]:
+        """`x`: new tokens `(T, dim)` at positions `pos..pos+T`; `cache`: two `(CACHE_LEN, dim)`."""
+        k_cache, v_cache = cache
+        heads = lambda y: y.reshape(y.shape[0], self.num_heads, -1)  # noqa: E731
+        q = heads(jax.vmap(self.query)(x))
+        k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache, jax.vmap(self.key_proj)(x), pos, 0)
+        v_cache = jax.lax.dynamic_update_slice_in_dim(v_cache, jax.vmap(self.value)(x), pos, 0)
+        logits = jnp.einsum("thd,shd->hts", q, heads(k_cache)) / jnp.sqrt(jnp.float32(HEAD_DIM))
+        query_pos = pos + jnp.arange(x.shape[0])
+        visible = jnp.arange(CACHE_LEN)[None, :] <= query_pos[:, None]
+        logits = jnp.where(visible[None], logits, jnp.float32(-1e30))
+        attended = jnp.einsum("hts,shd->thd", jax.nn.softmax(logits, axis=-1), heads(v_cache))
+        x = x + jax.vmap(self.out)(attended.reshape(x.shape))
+        return x, (k_cache, v_cache)
+
+
+def attention_stack(key):
+    keys = jax.random.split(key, NUM_LAYERS)
+    return eqx_lean.build_stacked(lambda k: Attention(HEADS * HEAD_DIM, HEADS, key=k), keys)
+
+
+def attention_inputs(getkey):
+    dim = HEADS * HEAD_DIM
+    x = jax.random.normal(getkey(), (3, dim))
+    cache = (
+        jax.random.normal(getkey(), (NUM_LAYERS, CACHE_LEN, dim)),
+        jax.random.normal(getkey(), (NUM_LAYERS, CACHE_LEN, dim)),
+    )
+    return x, cache, jnp.int32(2)
+
+
+def attention_loss(run):
+    def loss(args):
+        out, (k, v) = run(*args)
+        return jnp.sum(jnp.sin(out)) + jnp.sum(jnp.cos(k) * v), (out, (k, v))
+
+    return loss
+
+
+def loop_attention(stacked, x, cache, pos):
+    new_caches = []
+    for i, layer in enumerate(eqx_lean.unstack(stacked)):
+        x, new_cache = layer(x, eqx_lean.layer_at(cache, i), pos)
+        new_caches.append(new_cache)
+    return x, jax.tree.map(lambda *cs: jnp.stack(cs), *new_caches)
+
+
+@pytest.fixture(scope="module")
+def attention():
+    """A stacked attention module, inputs with a KV cache, and the loop's outputs and gradients."""
+    stacked = attention_stack(jax.random.key(200))
+    counter = iter(range(201, 300))
+    inputs = attention_inputs(lambda: jax.random.key(next(counter)))
+    with jax.default_matmul_precision("highest"):
+        expected = eqx.filter_jit(
+            eqx.filter_value_and_grad(attention_loss(loop_attention), has_aux=True)
+        )((stacked, *inputs))
+    return stacked, inputs, expected
+
+
+@pytest.mark.parametrize("remat", REMATS)
+def test_scan_attention_with_kv_cache_matches_loop(attention, remat):
+    stacked, (x, cache, pos), expected = attention
+
+    def scanned(stacked, x, cache, pos):
+        return eqx_lean.scan(
+            stacked, x, cache, call=lambda layer, x, c: layer(x, c, pos), remat=remat
+        )
+
+    found = eqx.filter_jit(eqx.filter_value_and_grad(attention_loss(scanned), has_aux=True))(
+        (stacked, x, cache, pos)
+    )
+    assert_close(found, expected)
+
+
+def test_scan_without_xs_returns_stacked_ys(mlp):
+    stacked, x, _ = mlp
+
+    def call(layer, x, nothing):
+        assert nothing is None
+        y = layer(x)
+        return y, jnp.sum(y**2)
+
+    expected_x, expected_norms = x, []
+    for layer in eqx_lean.unstack(stacked):
+        expected_x = layer(expected_x)
+        expected_norms.append(jnp.sum(expected_x**2))
+    found = eqx_lean.scan(stacked, x, call=call)
+    assert_close(found, (expected_x, jnp.stack(expected_norms)))
+
+
+# --- per-layer keys ---------------------------------------------------------------------------
+
+
+class DropoutBlock(eqx.Module):
+    linear: eqx.nn.Linear
+    dropout: eqx.nn.Dropout
+
+    def __init__(self, *, key: PRNGKeyArray):
+        self.linear = eqx.nn.Linear(DIM, DIM, key=key)
+        self.dropout = eqx.nn.Dropout(0.5)
+
+    def __call__(self, x: Array, scale: Array, *, key: PRNGKeyArray) -> Array:
+        return self.dropout(jnp.tanh(self.linear(x)) * scale, key=key)
+
+
+SCALE = 1.5
+
+
+def loop_with_keys(stacked, x, key):
+    keys = jax.random.split(key, NUM_LAYERS)
+    for layer, layer_key in zip(eqx_lean.unstack(stacked), keys, strict=True):
+        x = layer(x, jnp.float32(SCALE), key=layer_key)
+    return x
+
+
+@pytest.fixture(scope="module")
+def dropout():
+    keys = jax.random.split(jax.random.key(300), NUM_LAYERS)
+    stacked = eqx_lean.build_stacked(lambda k: DropoutBlock(key=k), keys)
+    x = jax.random.normal(jax.random.key(301), (DIM,))
+    key = jax.random.key(302)
+    with jax.default_matmul_precision("highest"):
+        expected = value_and_grads_of(lambda s, x: loop_with_keys(s, x, key), stacked, x)
+    return stacked, x, key, expected
+
+
+@pytest.mark.parametrize("remat", [None, "nested"])
+def test_fold_splits_one_key_per_layer(dropout, getkey, remat):
+    stacked, x, key, expected = dropout
+
+    def folded(stacked, x):
+        return eqx_lean.fold(stacked, x, (jnp.float32(SCALE),), key=key, remat=remat)
+
+    found = value_and_grads_of(folded, stacked, x)
+    assert_close(found, expected)
+    # The key matters: another key drops other units.
+    assert not np.allclose(found[0], eqx_lean.fold(stacked, x, (jnp.float32(SCALE),), key=getkey()))
+
+
+# --- stateful layers --------------------------------------------------------------------------
+
+
+class NormBlock(eqx.Module):
+    linear: eqx.nn.Linear
+    norm: eqx.nn.BatchNorm
+
+    def __init__(self, key: PRNGKeyArray):
+        self.linear = eqx.nn.Linear(DIM, DIM, key=key)
+        self.norm = eqx.nn.BatchNorm(DIM, axis_name="batch", mode="ema", momentum=0.5)
+
+    def __call__(self, x: Array, state: eqx.nn.State) -> tuple[Array, eqx.nn.State]:
+        return self.norm(jnp.tanh(self.linear(x)), state)
+
+
+@pytest.mark.parametrize("builder", ["build_stacked", "filter_vmap"])
+def test_scan_stateful_layers(getkey, builder):
+    keys = jax.random.split(getkey(), NUM_LAYERS)
+    make = eqx.nn.make_with_state(NormBlock)
+    if builder == "build_stacked":
+        stacked, state = eqx_lean.build_stacked(make, keys)
+    else:
+        stacked, state = eqx.filter_vmap(make)(keys)
+    batch = jax.random.normal(getkey(), (4, DIM))
+
+    def run_scan(stacked, state, batch):
+        return jax.vmap(
+            lambda x: eqx_lean.scan(stacked, x, state, call=lambda layer, x, s: layer(x, s)),
+            axis_name="batch",
+            out_axes=(0, None),
+        )(batch)
+
+    def run_loop(stacked, state, batch):
+        new_states = []
+        for i, layer in enumerate(eqx_lean.unstack(stacked)):
+            batch, layer_state = jax.vmap(
+                layer, in_axes=(0, None), out_axes=(0, None), axis_name="batch"
+            )(batch, eqx_lean.layer_at(state, i))
+            new_states.append(layer_state)
+        return batch, jax.tree.map(lambda *s: jnp.stack(s), *new_states)
+
+    # The loop is jitted too: run eagerly, the batch variance is rounded differently from any
+    # compiled program (up to 1e-6 after normalising), which would test XLA, not `scan`.
+    run_loop = eqx.filter_jit(run_loop)
+    # Twice, so that the second pass reads the running statistics the first pass wrote.
+    expected_out, expected_state = run_loop(stacked, state, batch)
+    expected_out, expected_state = run_loop(stacked, expected_state, expected_out)
+    found_out, found_state = eqx.filter_jit(run_scan)(stacked, state, batch)
+    found_out, found_state = eqx.filter_jit(run_scan)(stacked, found_state, found_out)
+    assert isinstance(found_state, eqx.nn.State)
+    assert_close((found_out, found_state), (expected_out, expected_state))
+
+
+# --- sharded within each layer ------------------------------------------------------------------
+
+_SHARDED_SCRIPT = textwrap.dedent(
+    """
+    import equinox as eqx, jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    import eqx_lean
+
+    jax.config.update("jax_numpy_dtype_promotion", "strict")
+    jax.config.update("jax_numpy_rank_promotion", "raise")
+    assert len(jax.devices()) == 8
+    mesh = Mesh(np.array(jax.devices()), ("model",))
+    with jax.default_matmul_precision("highest"):
+        keys = jax.random.split(jax.random.key(0), 4)
+        stacked = eqx_lean.build_stacked(
+            lambda k: eqx.nn.MLP(16, 16, 64, 1, activation=jnp.tanh, key=k), keys
+        )
+        x = jax.random.normal(jax.random.key(1), (16,))
+
+        def shard(leaf):
+            spec = [None] * leaf.ndim
+            spec[-1 if leaf.ndim > 2 else 1] = "model"  # within each layer, never the layer axis
+            return jax.device_put(leaf, NamedSharding(mesh, P(*spec)))
+
+        sharded = jax.tree.map(lambda l: shard(l) if eqx.is_array(l) else l, stacked)
+        assert sharded.layers[0].weight.sharding.spec == P(None, None, "model")
+
+        def loss(stacked, x):
+            return jnp.sum(jnp.sin(eqx_lean.fold(stacked, x, remat=True)))
+
+        def loop_loss(stacked, x):
+            for layer in eqx_lean.unstack(stacked):
+                x = layer(x)
+            return jnp.sum(jnp.sin(x))
+
+        found = eqx.filter_jit(eqx.filter_value_and_grad(loss))(sharded, x)
+        expected = eqx.filter_value_and_grad(loop_loss)(stacked, x)
+        for a, b in zip(jax.tree.leaves(found), jax.tree.leaves(expected), strict=True):
+            a, b = np.asarray(a), np.asarray(b)
+            assert np.all(np.abs(a - b) <= 1e-6 * np.maximum(1, np.abs(b))), np.abs(a - b).max()
+    print("ok")
+    """
+)
+
+
+def test_fold_sharded_within_layers_on_8_devices():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    result = subprocess.run(
+        [sys.executable, "-c", _SHARDED_SCRIPT], env=env, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().endswith("ok")
+
+
+# --- errors -------------------------------------------------------------------------------------
+
+
+def test_error_xs_leading_axis_not_num_layers(mlp):
+    stacked, _, _ = mlp
+    x = jnp.zeros(DIM)
+    call = lambda layer, x, c: (layer(x), c)  # noqa: E731
+    with pytest.raises(ValueError, match=r"leading layer axis of length L=6.*xs\[1\]"):
+        eqx_lean.scan(stacked, x, (jnp.zeros((6, 2)), jnp.zeros((5, 2))), call=call)
+    with pytest.raises(ValueError, match=r"leading layer axis of length L=6.*xs"):
+        eqx_lean.scan(stacked, x, jnp.float32(1.0), call=call)
+    with pytest.raises(TypeError, match=r"`xs` must be a pytree of arrays"):
+        eqx_lean.scan(stacked, x, ("not an array",), call=call)
+
+
+def test_error_carry_changes(mlp):
+    stacked, _, _ = mlp
+    x = jnp.zeros(DIM)
+    with pytest.raises(ValueError, match=r"`carry` is carried from layer to layer.*float32\[9\]"):
+        eqx_lean.scan(stacked, x, call=lambda layer, x, _: (jnp.append(layer(x), 1.0), None))
+    with pytest.raises(ValueError, match=r"`carry` is carried.*structure"):
+        eqx_lean.scan(stacked, x, call=lambda layer, x, _: ((layer(x), x), None))  # pyright: ignore
+    with pytest.raises(ValueError, match=r"`carry\[1\]` is float32\[8\].*int32\[8\]"):
+        eqx_lean.scan(
+            stacked, (x, x), call=lambda layer, c, _: ((layer(c[0]), c[1].astype(jnp.int32)), None)
+        )
+    with pytest.raises(ValueError, match=r"`x` is carried from layer.*`x` is float32\[8\]"):
+        eqx_lean.fold(stacked, x, call=lambda layer, x: layer(x)[:4])
+
+
+def test_error_call_must_return_pair(mlp):
+    stacked, _, _ = mlp
+    with pytest.raises(TypeError, match=r"`call` must return a pair `\(carry, y\)`"):
+        eqx_lean.scan(stacked, jnp.zeros(DIM), call=lambda layer, x, _: layer(x))
+
+
+def test_error_bad_options(mlp, getkey):
+    stacked, _, _ = mlp
+    x = jnp.zeros(DIM)
+    with pytest.raises(ValueError, match=r"`remat` must be None, True"):
+        eqx_lean.fold(stacked, x, remat="sqrt")  # pyright: ignore[reportArgumentType]
+    with pytest.raises(ValueError, match=r"`group_size` must be a positive integer"):
+        eqx_lean.NestedRemat(group_size=0)
+    with pytest.raises(TypeError, match=r"`args` must be a tuple"):
+        eqx_lean.fold(stacked, x, x)  # pyright: ignore[reportArgumentType]
+    with pytest.raises(TypeError, match=r"`kwargs` must be a dict"):
+        eqx_lean.fold(stacked, x, (), [x])  # pyright: ignore[reportArgumentType]
+    with pytest.raises(ValueError, match=r"either as `fold\(..., key=key\)`.*not both"):
+        eqx_lean.fold(stacked, x, (), dict(key=getkey()), key=getkey())
+    with pytest.raises(ValueError, match=r"`stacked` has no array leaves"):
+        eqx_lean.fold(eqx.nn.Lambda(jnp.tanh), x)
