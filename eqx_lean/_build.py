@@ -497,9 +497,11 @@ def build_stacked(
 ) -> M:
     """Builds `L` layers stacked on a leading axis, one layer at a time.
 
-    The result is bitwise equal to `eqx.filter_vmap(make_layer)(keys)` followed by casting its
-    floating leaves to `dtype`, but it never holds more than the final stack plus the
-    temporaries of one layer's largest leaf: buffers are preallocated in the target dtype, and
+    The result is bitwise equal to `eqx.filter_jit(eqx.filter_vmap(make_layer))(keys)` followed
+    by casting its floating leaves to `dtype` (and to the eager `eqx.filter_vmap` too, unless
+    `make_layer` does arithmetic on drawn values that compiled code fuses into a multiply-add),
+    but it never holds more than the final stack plus the temporaries of one layer's largest
+    leaf: buffers are preallocated in the target dtype, and
     each layer is built by a compiled write (the layer index is traced, so it compiles once
     whatever `L` is) that donates the stacked buffers and updates them in place.
 
