@@ -531,9 +531,10 @@ def build_stacked(
         `PartitionSpec` for every leaf; a pytree prefix of the layer with `Sharding`s,
         `PartitionSpec`s or `None`s; or a rule `(path, leaf) -> Sharding | PartitionSpec | None`
         given each leaf's key path and per-layer `ShapeDtypeStruct`, such as
-        [`eqx_lean.fsdp`][]. Buffers are allocated directly sharded and each layer is built
-        sharded, so no device holds more than its shards of the stack plus its shard of one
-        layer. Meshes with `Auto` or `Explicit` axes both work.
+        [`eqx_lean.fsdp`][]. A `None` beside `NamedSharding`s replicates that leaf over their
+        mesh. Buffers are allocated directly sharded and each layer is built sharded, so no
+        device holds more than its shards of the stack plus its shard of one layer. Meshes with
+        `Auto` or `Explicit` axes both work.
     - `mesh`: the `jax.sharding.Mesh` that `PartitionSpec`s in `sharding` refer to.
     - `progress`: show a tqdm progress bar over the layers (needs `tqdm`).
 

@@ -94,15 +94,21 @@ def _per_leaf(
     if callable(sharding) and not isinstance(sharding, eqx.Module):
         return [sharding(path, struct) for path, struct in zip(paths, structs, strict=True)]
     layer_of_structs = jax.tree.unflatten(treedef, structs)
+    chosen: list[Any] = []
+
+    def repeat_for_each_leaf(leaf_sharding: Any, subtree: Any) -> None:
+        # A prefix leaf over a subtree without arrays (such as `bias=None`) stands for nothing.
+        chosen.extend([leaf_sharding] * len(jax.tree.leaves(subtree)))
+
     try:
-        full = jax.tree_util.tree_broadcast(sharding, layer_of_structs, is_leaf=_is_sharding_leaf)
+        jax.tree.map(repeat_for_each_leaf, sharding, layer_of_structs, is_leaf=_is_sharding_leaf)
     except (ValueError, TypeError) as e:
         raise ValueError(
             "`sharding` must be one Sharding or PartitionSpec, a rule `(path, leaf) -> sharding`, "
             "or a pytree prefix of the layer's array leaves whose leaves are Shardings, "
             f"PartitionSpecs or None; it does not match the layer: {e}"
         ) from e
-    return jax.tree.leaves(full, is_leaf=_is_sharding_leaf)
+    return chosen
 
 
 def _mesh_axis_size(mesh: Any, axes: Any) -> int:
@@ -143,6 +149,8 @@ def _one_layer_sharding(
                 f"`sharding` gives leaf {jax.tree_util.keystr(path)} a PartitionSpec, which needs "
                 "a device mesh: pass `mesh=` (or give NamedShardings)."
             )
+        # Checked first: NamedSharding's own error for an unknown axis names no leaf or shape.
+        _check_spec(path, struct, sharding, mesh)
         sharding = NamedSharding(mesh, sharding)
     if isinstance(sharding, NamedSharding):
         _check_spec(path, struct, sharding.spec, sharding.mesh)
@@ -173,15 +181,30 @@ def resolve_shardings(
 
     **Returns:**
 
-    One sharding (or `None`: default placement) per leaf.
+    One sharding per leaf; `None` (default placement) only where no leaf is named-sharded.
     """
     if sharding is None:
         return (None,) * len(structs)
     chosen = _per_leaf(sharding, paths, structs, treedef)
-    return tuple(
+    resolved = tuple(
         _one_layer_sharding(path, struct, leaf_sharding, mesh)
         for path, struct, leaf_sharding in zip(paths, structs, chosen, strict=True)
     )
+    return _replicate_unplaced(resolved)
+
+
+def _replicate_unplaced(shardings: tuple[Sharding | None, ...]) -> tuple[Sharding | None, ...]:
+    """Leaves left to default placement beside named-sharded ones: replicated on their mesh.
+
+    Leaves of both kinds are allocated and written by the same compiled functions. With `Auto`
+    mesh axes JAX replicates an unplaced leaf over the mesh anyway; with `Explicit` axes it
+    cannot combine an unplaced leaf with sharded ones and fails.
+    """
+    named = [s for s in shardings if isinstance(s, NamedSharding)]
+    if not named or None not in shardings:
+        return shardings
+    replicated = NamedSharding(named[0].mesh, PartitionSpec())
+    return tuple(replicated if s is None else s for s in shardings)
 
 
 def stacked_sharding(sharding: Sharding | None) -> Sharding | None:
