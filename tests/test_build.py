@@ -245,19 +245,15 @@ def test_writes_alias_the_stacked_buffers():
     abstract = eqx.filter_eval_shape(make_block, keys[0])
     leaves = jax.tree.leaves(abstract)
     stacked_bytes = 8 * sum(x.size * 2 for x in leaves if isinstance(x, jax.ShapeDtypeStruct))
-    layout = _build._Layout.of(abstract)
-    structs = _build._target_structs(layout, 8, jnp.bfloat16)
-    groups = _build._leaf_groups(layout.structs)
-    compiled = _build._compile_writes(
-        structs, keys, make_block, _build._StaticSignature(abstract), groups
-    )
-    for group, executable in zip(groups, compiled, strict=True):
+    plan = _build._Plan.make(make_block, keys, jnp.bfloat16, None, None)
+    compiled = _build._compile_writes(plan, keys, make_block)
+    for group, executable in zip(plan.groups, compiled, strict=True):
         analysis = executable.memory_analysis()
-        group_bytes = sum(structs[j].size * structs[j].dtype.itemsize for j in group)
+        group_bytes = sum(plan.structs[j].size * 2 for j in group.leaves)
         assert analysis.alias_size_in_bytes == group_bytes
         # Besides the aliased buffers, the output holds only a table of pointers.
-        assert analysis.output_size_in_bytes - analysis.alias_size_in_bytes <= 8 * len(group)
-    assert sum(s.size * s.dtype.itemsize for s in structs) == stacked_bytes
+        assert analysis.output_size_in_bytes - analysis.alias_size_in_bytes <= 8 * len(group.leaves)
+    assert sum(s.size * s.dtype.itemsize for s in plan.structs) == stacked_bytes
 
 
 # --- donation and ownership -------------------------------------------------------------------
