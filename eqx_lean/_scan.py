@@ -26,10 +26,14 @@ class NestedRemat(eqx.Module):
     The `L` layers are split into groups of `group_size` consecutive layers: an outer scan runs
     over the groups and checkpoints each group (saving only the carry that enters it), and an
     inner scan runs over the layers of a group, checkpointing each layer with `policy`. The
-    backward pass therefore holds about `L / group_size + group_size` carries plus the
-    activations of one layer, at the price of about two extra forward passes (one to recompute
-    a group's carries, one to recompute a layer's activations). With `group_size ≈ √L` this is
-    the lowest-memory scheme, like Flax's `nn.remat_scan`.
+    backward pass therefore holds about `L / group_size + group_size` carries, the activations
+    of one layer and the parameter gradients of one group, at the price of about two extra
+    forward passes (one to recompute a group's carries, one to recompute a layer's
+    activations); with `policy=jax.checkpoint_policies.everything_saveable` it is one extra
+    forward pass, holding a whole group's activations instead. With `group_size ≈ √L` this is
+    like Flax's `nn.remat_scan`: it saves less than `remat=True` (which holds `L` carries) when
+    a carry (the activations passed between layers) is larger than about one layer's
+    parameters divided by `√L - 2`, as it is for long sequences or large batches.
 
     When `group_size` does not divide `L`, the last `L mod group_size` layers form one shorter
     group. The stacked arrays are then split in two by slicing, which inside `jax.jit` costs a
@@ -291,8 +295,9 @@ def scan(
     - `remat`: gradient checkpointing. `None` saves every layer's activations for the backward
         pass; `True` checkpoints each layer (saving only the carry between layers, recomputing
         one layer at a time); a `jax.checkpoint_policies` policy checkpoints each layer with that
-        policy; `"nested"` or an [`eqx_lean.NestedRemat`][] uses a scan of scans for about
-        `2√L` saved carries. The values are the same whatever the choice.
+        policy; `"nested"` or an [`eqx_lean.NestedRemat`][] uses a scan of scans, saving about
+        `2√L` carries (see there for when that beats `True`). The values are the same whatever
+        the choice.
     - `unroll`: how many layers each iteration of the underlying loop runs, as for
         `jax.lax.scan` (`True` unrolls all of them). With nested remat it applies to the inner
         scan over the layers of a group.

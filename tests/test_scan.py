@@ -231,7 +231,16 @@ def attention():
     return stacked, inputs, expected
 
 
-@pytest.mark.parametrize("remat", REMATS)
+# Every remat mode runs on the MLP stack; here the cheaper half by default, all with `-m slow`.
+ATTENTION_REMATS = [
+    p
+    if p.id in ("none", "true", "nested-4-with-remainder")
+    else pytest.param(*p.values, id=p.id, marks=pytest.mark.slow)
+    for p in REMATS
+]
+
+
+@pytest.mark.parametrize("remat", ATTENTION_REMATS)
 def test_scan_attention_with_kv_cache_matches_loop(attention, remat):
     stacked, (x, cache, pos), expected = attention
 
@@ -409,6 +418,7 @@ _SHARDED_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_fold_sharded_within_layers_on_8_devices():
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
     result = subprocess.run(
