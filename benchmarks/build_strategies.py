@@ -41,31 +41,29 @@ def main() -> None:
     def make(k):
         return Block(config, key=k)
 
-    abstract = _build._abstract_layer(make, keys)
-    signature = _build._StaticSignature(abstract)
-    layout = _build._Layout.of(abstract)
-    structs = _build._target_structs(layout, config.num_layers, jnp.bfloat16)
-    groups = _build._leaf_groups(layout.structs)
-    every_leaf = tuple(range(len(structs)))
+    plan = _build._Plan.make(make, keys, jnp.bfloat16, None, None)
+    structs = plan.structs
+    every_leaf = _build._Group(tuple(range(len(structs))), (None,) * len(structs))
     index = jax.ShapeDtypeStruct((), jnp.int32, weak_type=True)
     final = sum(s.size * s.dtype.itemsize for s in structs)
-    print(f"{config}: final {final / MiB:.0f} MiB in bfloat16, groups {groups}\n")
+    print(f"{config}: final {final / MiB:.0f} MiB in bfloat16\n")
     print("| strategy | XLA temp | aliased | compile |")
     print("| --- | --- | --- | --- |")
 
-    for group in groups:
-        group_structs = tuple(structs[j] for j in group)
+    for group in plan.groups:
         lowered = _build._write_layer_donated.lower(
-            group_structs, keys, index, make, signature, group
+            plan.buffer_structs(group), keys, index, make, plan.signature, group
         )
-        _report(f"per-group write, leaves {group} (chosen)", lowered)
+        _report(f"per-group write, leaves {group.leaves} (chosen)", lowered)
 
-    lowered = _build._write_layer_donated.lower(structs, keys, index, make, signature, every_leaf)
+    lowered = _build._write_layer_donated.lower(
+        structs, keys, index, make, plan.signature, every_leaf
+    )
     _report("whole-layer write, called per layer", lowered)
 
     def group_loops(buffers, keys):
         buffers = list(buffers)
-        _build._fill_traced(buffers, keys, make, signature, groups)
+        _build._fill_traced(buffers, keys, make, plan.signature, plan.groups)
         return tuple(buffers)
 
     _report(
@@ -75,7 +73,7 @@ def main() -> None:
 
     def whole_layer_loop(buffers, keys):
         buffers = list(buffers)
-        _build._fill_traced(buffers, keys, make, signature, (every_leaf,))
+        _build._fill_traced(buffers, keys, make, plan.signature, (every_leaf,))
         return tuple(buffers)
 
     _report(
