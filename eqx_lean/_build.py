@@ -319,7 +319,18 @@ def _write_slice_traced(buffer: Array, value: Array, index: Any) -> Array:
         # the weak type (weakly typed leaves are small: scalars broadcast from Python numbers).
         is_slice = lax.broadcasted_iota(jnp.int32, buffer.shape, 0) == index
         return jnp.where(is_slice, value[None], buffer)
-    return lax.dynamic_update_index_in_dim(buffer, value.astype(buffer.dtype), index, 0)
+    value = value.astype(buffer.dtype)
+    if not (jnp.issubdtype(buffer.dtype, jnp.floating) and buffer.dtype.itemsize == 2):
+        return lax.dynamic_update_index_in_dim(buffer, value, index, 0)
+    # XLA:CPU updates 16-bit floats in place about 20 % slower than the same bits as integers;
+    # the bitcasts are free and keep the donated buffer aliased.
+    bits = lax.dynamic_update_index_in_dim(
+        lax.bitcast_convert_type(buffer, jnp.uint16),
+        lax.bitcast_convert_type(value, jnp.uint16),
+        index,
+        0,
+    )
+    return lax.bitcast_convert_type(bits, buffer.dtype)
 
 
 _write_layer_donated = jax.jit(_write_layer, static_argnums=(3, 4, 5), donate_argnums=0)
