@@ -545,7 +545,8 @@ def build_stacked(
         [`eqx_lean.fsdp`][]. A `None` beside `NamedSharding`s replicates that leaf over their
         mesh. Buffers are allocated directly sharded and each layer is built sharded, so no
         device holds more than its shards of the stack plus its shard of one layer. Meshes with
-        `Auto` or `Explicit` axes both work.
+        `Auto` or `Explicit` axes both work; with `Explicit` axes, call `build_stacked` inside
+        an outer `jax.jit` only within `jax.set_mesh(mesh)`, as JAX requires.
     - `mesh`: the `jax.sharding.Mesh` that `PartitionSpec`s in `sharding` refer to.
     - `progress`: show a tqdm progress bar over the layers (needs `tqdm`).
 
