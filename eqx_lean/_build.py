@@ -319,18 +319,24 @@ def _write_slice_traced(buffer: Array, value: Array, index: Any) -> Array:
         # the weak type (weakly typed leaves are small: scalars broadcast from Python numbers).
         is_slice = lax.broadcasted_iota(jnp.int32, buffer.shape, 0) == index
         return jnp.where(is_slice, value[None], buffer)
+    return update_rows(buffer, value[None], index)
+
+
+def as_bits(x: Array) -> Array:
+    """`x` reinterpreted as unsigned integers of the same width (a free bitcast)."""
+    return lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
+
+
+def update_rows(buffer: Array, value: Array, start: Any) -> Array:
+    """`buffer` with rows `start : start + len(value)` of its leading axis set to `value`, cast."""
     value = value.astype(buffer.dtype)
-    if not (jnp.issubdtype(buffer.dtype, jnp.floating) and buffer.dtype.itemsize == 2):
-        return lax.dynamic_update_index_in_dim(buffer, value, index, 0)
-    # XLA:CPU updates 16-bit floats in place about 20 % slower than the same bits as integers;
-    # the bitcasts are free and keep the donated buffer aliased.
-    bits = lax.dynamic_update_index_in_dim(
-        lax.bitcast_convert_type(buffer, jnp.uint16),
-        lax.bitcast_convert_type(value, jnp.uint16),
-        index,
-        0,
-    )
-    return lax.bitcast_convert_type(bits, buffer.dtype)
+    if not jnp.issubdtype(buffer.dtype, jnp.floating):
+        return lax.dynamic_update_slice_in_dim(buffer, value, start, 0)
+    # XLA:CPU updates bfloat16 in place several times slower than unsigned integers of the same
+    # width (about 20 % of a fused draw-and-write, 8x of a plain copy), so the update moves bits;
+    # the bitcasts are free and keep a donated buffer aliased.
+    updated = lax.dynamic_update_slice_in_dim(as_bits(buffer), as_bits(value), start, 0)
+    return lax.bitcast_convert_type(updated, buffer.dtype)
 
 
 _write_layer_donated = jax.jit(_write_layer, static_argnums=(3, 4, 5), donate_argnums=0)

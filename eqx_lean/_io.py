@@ -30,7 +30,7 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array
 
-from ._build import _allocate, _delete, _Layout
+from ._build import _allocate, _delete, _Layout, as_bits, update_rows
 from ._policy import DtypePolicy, KeyPath, check_dtype_policy, is_floating, leaf_dtype
 
 
@@ -737,28 +737,14 @@ def _aligned_copy(value: np.ndarray) -> np.ndarray:
     return aligned
 
 
-def _as_bits(x: Array) -> Array:
-    return lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
-
-
-def _update_rows(buffer: Array, value: Array, start: Any) -> Array:
-    value = value.astype(buffer.dtype)
-    if not is_floating(buffer.dtype):
-        return lax.dynamic_update_slice_in_dim(buffer, value, start, 0)
-    # XLA:CPU copies bfloat16 in a dynamic update slice several times slower than the unsigned
-    # integers of the same width, so the copy moves bits (the cast, if any, is already done).
-    updated = lax.dynamic_update_slice_in_dim(_as_bits(buffer), _as_bits(value), start, 0)
-    return lax.bitcast_convert_type(updated, buffer.dtype)
-
-
 @functools.partial(jax.jit, donate_argnums=0)
 def _write_rows(buffer: Array, value: Array, start: Any) -> Array:
-    return _update_rows(buffer, value, start)
+    return update_rows(buffer, value, start)
 
 
 @functools.partial(jax.jit, donate_argnums=0)
 def _write_layer(buffer: Array, value: Array, layer: Any) -> Array:
-    return _update_rows(buffer, value[None], layer)
+    return update_rows(buffer, value[None], layer)
 
 
 def _fill_plain(leaf: _LoadLeaf, shard: _Shard, buffer: Array, stored: np.ndarray) -> Array:
@@ -1066,8 +1052,8 @@ def _aligned_first(records: Sequence[_Record]) -> list[_Record]:
 
 @jax.jit
 def _layer_bits(array: Array, layer: Any) -> Array:
-    # As bits, for the reason given in `_update_rows`; the bitcast fuses into the slice.
-    bits = _as_bits(array) if is_floating(array.dtype) else array
+    # As bits, for the reason given in `update_rows`; the bitcast fuses into the slice.
+    bits = as_bits(array) if is_floating(array.dtype) else array
     return lax.dynamic_index_in_dim(bits, layer, 0, keepdims=False)
 
 
