@@ -1,5 +1,6 @@
 """Forward helpers over stacked layers: `fold` and `scan`, with gradient checkpointing."""
 
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, TypeAlias, TypeVar
@@ -9,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.custom_derivatives import SymbolicZero
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
 from ._build import _num_layers_of_stack
@@ -223,6 +225,84 @@ def _nested_scan(
     return carry, _merge_groups(main_ys, rest_ys, has_rest=bool(rest))
 
 
+def _scan_by_index(
+    step: Callable[[Any, Any, Any], tuple[Any, Any]],
+    dynamic: Any,
+    carry: Any,
+    xs: Any,
+    num_layers: int,
+    unroll: int | bool,
+) -> tuple[Any, Any]:
+    """The forward-only loop: slices layer `i` out of the stack by a loop index.
+
+    Scanning over the stack as `xs` leaves it loop-invariant, and XLA hoists loop-invariant work
+    on it out of the loop: on CPU, where slicing bfloat16 is done in float32, that is a float32
+    copy of the whole stack (2x its size in temporaries). Tying the stack to the loop index
+    with an optimisation barrier keeps every conversion inside the loop, one layer at a time.
+    """
+
+    def body(state: tuple[Any, Array], x: Any) -> tuple[tuple[Any, Array], Any]:
+        carry, i = state
+        layers, at = lax.optimization_barrier((dynamic, i))
+        layer = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, at, keepdims=False), layers)
+        carry, y = step(layer, carry, x)
+        return (carry, i + 1), y
+
+    start = jnp.zeros((), jnp.int32)
+    (carry, _), ys = lax.scan(body, (carry, start), xs, length=num_layers, unroll=unroll)
+    return carry, ys
+
+
+def _differentiated_as(
+    primal: Callable[..., Any], differentiable: Callable[..., Any], args: tuple[Any, ...]
+) -> Any:
+    """Returns `primal(*args)`, whose derivatives are those of `differentiable(*args)`.
+
+    The two must compute the same function. Only the inputs that are actually differentiated
+    (those without a symbolic-zero tangent) become inputs of the JVP, so differentiating with
+    respect to the carry alone never materialises a zero tangent the size of the stack.
+    """
+    arrays, others = eqx.partition(args, eqx.is_array)
+
+    @jax.custom_jvp
+    def run(arrays: Any) -> Any:
+        return primal(*eqx.combine(arrays, others))
+
+    def run_jvp(primals: tuple[Any], tangents: tuple[Any]) -> tuple[Any, Any]:
+        leaves, treedef = jax.tree.flatten(primals[0])
+        tangent_leaves = treedef.flatten_up_to(tangents[0])
+        live = [not isinstance(t, SymbolicZero) for t in tangent_leaves]
+
+        def of_live(*live_leaves: Array) -> Any:
+            supply = iter(live_leaves)
+            pairs = zip(leaves, live, strict=True)
+            merged = [next(supply) if is_live else x for x, is_live in pairs]
+            return differentiable(*eqx.combine(treedef.unflatten(merged), others))
+
+        live_primals = [x for x, is_live in zip(leaves, live, strict=True) if is_live]
+        live_tangents = [t for t, is_live in zip(tangent_leaves, live, strict=True) if is_live]
+        return jax.jvp(of_live, live_primals, live_tangents)
+
+    run.defjvp(run_jvp, symbolic_zeros=True)
+    return run(arrays)
+
+
+def _layer_slice(tree: Any) -> Any:
+    return jax.tree.map(lambda a: lax.index_in_dim(a, 0, keepdims=False), tree)
+
+
+def _hoist_closure(
+    step: Callable[[Any, Any, Any], tuple[Any, Any]], dynamic: Any, carry: Any, xs: Any
+) -> tuple[Callable[[list[Array], Any, Any, Any], tuple[Any, Any]], list[Array]]:
+    """Makes the arrays `step` closes over explicit, so that they can be differentiated."""
+    converted, consts = jax.closure_convert(step, _layer_slice(dynamic), carry, _layer_slice(xs))
+
+    def with_consts(consts: list[Array], layer: Any, carry: Any, x: Any) -> tuple[Any, Any]:
+        return converted(layer, carry, x, *consts)
+
+    return with_consts, consts
+
+
 def _scan(
     stacked: Any,
     carry: Any,
@@ -236,16 +316,27 @@ def _scan(
     dynamic, static = eqx.partition(stacked, eqx.is_array)
     num_layers = _num_layers_of_stack(dynamic)
     _check_xs(xs, num_layers)
-    step = _layer_step(static, call, carry_name)
+    step_with, consts = _hoist_closure(_layer_step(static, call, carry_name), dynamic, carry, xs)
     if remat == "nested":
         remat = NestedRemat()
-    if isinstance(remat, NestedRemat):
-        return _nested_scan(step, dynamic, carry, xs, num_layers, remat, unroll)
-    if remat is True:
-        step = _checkpointed(step, None)
-    elif callable(remat):
-        step = _checkpointed(step, remat)
-    return _scan_layers(step, dynamic, carry, xs, unroll)
+
+    def differentiable(consts: list[Array], dynamic: Any, carry: Any, xs: Any) -> Any:
+        step = functools.partial(step_with, consts)
+        if isinstance(remat, NestedRemat):
+            return _nested_scan(step, dynamic, carry, xs, num_layers, remat, unroll)
+        if remat is True:
+            step = _checkpointed(step, None)
+        elif callable(remat):
+            step = _checkpointed(step, remat)
+        return _scan_layers(step, dynamic, carry, xs, unroll)
+
+    def primal(consts: list[Array], dynamic: Any, carry: Any, xs: Any) -> Any:
+        step = functools.partial(step_with, consts)
+        return _scan_by_index(step, dynamic, carry, xs, num_layers, unroll)
+
+    # Differentiating the index-sliced loop would accumulate the stack's cotangent as a
+    # loop-carried, stack-sized sum; the scan over `xs` stacks per-layer cotangents instead.
+    return _differentiated_as(primal, differentiable, (consts, dynamic, carry, xs))
 
 
 def scan(
@@ -277,6 +368,12 @@ def scan(
     `eqx.filter_vmap(eqx.nn.make_with_state(Block))(keys)`), pass the stacked state as `xs` and
     get the updated stacked state back as `ys`:
     `x, state = eqx_lean.scan(blocks, x, state, call=lambda layer, x, s: layer(x, s))`.
+
+    **Memory.** Run forward only (inference, decoding), the loop slices layer `i` out of the
+    stack by its index, so whatever XLA does to a layer's weights (on CPU, computing in
+    float32 on bfloat16 weights) happens to one layer at a time, never to the whole stack.
+    Differentiated, it is a `jax.lax.scan` over the stack, whose backward pass stacks the
+    per-layer cotangents; the two give the same values.
 
     **Random keys.** Pass one key per layer in `xs`, e.g.
     `xs=(cache, jax.random.split(key, L))`, or use [`eqx_lean.fold`][]'s `key=`.
