@@ -486,17 +486,15 @@ def _resolve_shardings(sharding: Any, layout: _Layout) -> list[jax.sharding.Shar
             sharding, is_leaf=lambda x: x is None or isinstance(x, jax.sharding.Sharding)
         )[0]
     )
-    resolved = []
-    for path in layout.paths:
-        value = flat.get(path)
-        if value is not None and not isinstance(value, jax.sharding.Sharding):
+    for path, value in flat.items():
+        placed_elsewhere = value is not None and path not in layout.paths
+        if placed_elsewhere or not isinstance(value, jax.sharding.Sharding | None):
             raise TypeError(
                 "`sharding` must be one `jax.sharding.Sharding`, or a pytree of the model's "
-                "structure with a Sharding (or None) at each array leaf; at leaf "
-                f"{jax.tree_util.keystr(path)} it has {type(value).__name__}."
+                "structure with a Sharding (or None) at each array leaf; at "
+                f"{jax.tree_util.keystr(path) or 'its root'} it has {type(value).__name__}."
             )
-        resolved.append(value)
-    return resolved
+    return [flat.get(path) for path in layout.paths]
 
 
 def _target_of(

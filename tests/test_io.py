@@ -808,6 +808,11 @@ def test_bad_sharding_is_refused(saved):
     file, like = saved
     with pytest.raises(TypeError, match=r"`sharding` must be one `jax.sharding.Sharding`"):
         eqx_lean.load_stacked(file, like, hf_names, sharding=jax.tree.map(lambda _: "x", like))
+    with pytest.raises(TypeError, match=r"at its root it has object"):
+        eqx_lean.load_stacked(file, like, hf_names, sharding=object())
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    with pytest.raises(TypeError, match=r"at \['nowhere'\] it has SingleDeviceSharding"):
+        eqx_lean.load_stacked(file, like, hf_names, sharding={"nowhere": device})
 
 
 def test_bad_save_arguments_are_refused(tmp_path):
