@@ -196,7 +196,16 @@ def test_load_hf_errors(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(MistralConfig(**TINY).to_hf()))
     with pytest.raises(FileNotFoundError, match="must be a HF checkpoint directory"):
         load_hf(tmp_path)
-    with pytest.raises(NotImplementedError, match="`sharding`"):
+
+
+def test_load_hf_places_every_leaf_with_the_given_sharding(model, tmp_path):
+    save_hf(model, tmp_path)
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    reloaded = load_hf(tmp_path, sharding=sharding)
+    for a, b in zip(jax.tree.leaves(reloaded), jax.tree.leaves(model), strict=True):
+        assert a.sharding == sharding
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(TypeError, match="`sharding`"):
         load_hf(tmp_path, sharding=object())
 
 

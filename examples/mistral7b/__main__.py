@@ -3,6 +3,8 @@
 - `build --preset v0.1 --dtype bfloat16`: random-init build of the full model, with the memory
     report (peak RSS over idle versus the model's size), then a forward of 8 tokens and 4
     greedy decode steps. `--layers N` builds a shallower model of the same width.
+- `load --checkpoint DIR`: the same report for a HF checkpoint read with `load_hf`: peak
+    anonymous memory (the mapped checkpoint pages are page cache), forward and decode.
 - `generate --checkpoint DIR --prompt TEXT` (needs `DIR/tokenizer.json`) or `--ids 1,2,3`.
 - `train`: the small byte-level training run on the bundled text.
 """
@@ -10,8 +12,11 @@
 import argparse
 import dataclasses
 import os
+import threading
 import time
+from typing import Any
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,12 +30,62 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-def _gib(kib_or_bytes: float, *, kib: bool = True) -> str:
-    return f"{kib_or_bytes / (2**20 if kib else 2**30):.2f} GiB"
+def _gib(kib: float) -> str:
+    return f"{kib / 2**20:.2f} GiB"
+
+
+class _AnonymousPeak(threading.Thread):
+    """Samples `RssAnon` every few milliseconds: the kernel keeps no high-water mark for it.
+
+    Anonymous memory is what the process itself holds; memory-mapped checkpoint pages are
+    page cache (`RssFile`), which the kernel reclaims under pressure.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.peak_kib = _status_kib("RssAnon")
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_event.wait(0.003):
+            self.peak_kib = max(self.peak_kib, _status_kib("RssAnon"))
+
+    def stop(self) -> int:
+        self._stop_event.set()
+        self.join()
+        return max(self.peak_kib, _status_kib("RssAnon"))
+
+
+def _forward_and_decode(model: Any) -> None:
+    from . import generate
+
+    prompt = jnp.asarray(np.arange(1, 9, dtype=np.int32)[None])
+    start = time.perf_counter()
+    logits = eqx.filter_jit(lambda m, ids: m(ids))(model, prompt)
+    jax.block_until_ready(logits)
+    print(
+        f"forward of 8 tokens: {time.perf_counter() - start:.1f} s (compile included), "
+        f"logits {logits.shape} {logits.dtype}"
+    )
+    del logits
+    start = time.perf_counter()
+    ids = generate(model, prompt, 4)
+    new_tokens = np.asarray(ids)[0, 8:].tolist()
+    print(f"4 greedy tokens: {new_tokens} in {time.perf_counter() - start:.1f} s")
+
+
+def _model_kib(model: Any) -> float:
+    return sum(x.nbytes for x in jax.tree.leaves(model)) / 1024
+
+
+def _report_totals(sampler: _AnonymousPeak) -> None:
+    print(
+        f"whole run: peak RSS {_gib(_status_kib('VmHWM'))}, peak anonymous {_gib(sampler.stop())}"
+    )
 
 
 def build(args: argparse.Namespace) -> None:
-    from . import MistralConfig, generate, init, save_hf
+    from . import MistralConfig, init, save_hf
 
     config = MistralConfig.preset(args.preset)
     if args.layers:
@@ -39,34 +94,45 @@ def build(args: argparse.Namespace) -> None:
     key = jax.random.key(args.seed)
     jax.devices()
     idle = _status_kib("VmRSS")
+    sampler = _AnonymousPeak()
+    sampler.start()
     start = time.perf_counter()
     model = init(config, key=key, progress=True)
     jax.block_until_ready(model)
     seconds = time.perf_counter() - start
     peak = _status_kib("VmHWM") - idle
-    final = sum(x.nbytes for x in jax.tree.leaves(model))
+    final = _model_kib(model)
     print(f"config: {args.preset}, {config.num_hidden_layers} layers, {args.dtype}")
     print(
-        f"final {_gib(final, kib=False)}, peak RSS over idle {_gib(peak)}, "
-        f"ratio {peak * 1024 / final:.3f}, build {seconds:.1f} s"
+        f"build: final {_gib(final)}, peak RSS over idle {_gib(peak)}, "
+        f"ratio {peak / final:.3f}, {seconds:.1f} s"
     )
-
-    prompt = jnp.asarray(np.arange(1, 9, dtype=np.int32)[None])
-    start = time.perf_counter()
-    logits = jax.jit(lambda m, ids: m(ids))(model, prompt)
-    print(
-        f"forward of 8 tokens: {time.perf_counter() - start:.1f} s, "
-        f"logits {logits.shape} {logits.dtype}"
-    )
-    del logits
-    start = time.perf_counter()
-    ids = generate(model, prompt, 4)
-    new_tokens = np.asarray(ids)[0, 8:].tolist()
-    print(f"4 greedy tokens: {new_tokens} in {time.perf_counter() - start:.1f} s")
-    print(f"total peak RSS {_gib(_status_kib('VmHWM'))}")
+    _forward_and_decode(model)
+    _report_totals(sampler)
     if args.save:
         save_hf(model, args.save)
         print(f"saved to {args.save}")
+
+
+def load_command(args: argparse.Namespace) -> None:
+    from . import load_hf
+
+    jax.devices()
+    idle_anon = _status_kib("RssAnon")
+    sampler = _AnonymousPeak()
+    sampler.start()
+    start = time.perf_counter()
+    model = load_hf(args.checkpoint, dtype=args.dtype)
+    jax.block_until_ready(model)
+    seconds = time.perf_counter() - start
+    load_peak = sampler.peak_kib - idle_anon
+    final = _model_kib(model)
+    print(
+        f"load: final {_gib(final)}, peak anonymous over idle {_gib(load_peak)}, "
+        f"ratio {load_peak / final:.3f}, {seconds:.1f} s"
+    )
+    _forward_and_decode(model)
+    _report_totals(sampler)
 
 
 def generate_command(args: argparse.Namespace) -> None:
@@ -121,6 +187,11 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save", default="", help="also write the model here with save_hf")
     p.set_defaults(run=build)
+
+    p = commands.add_parser("load", help="load a HF checkpoint with the memory report")
+    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--dtype", default=None)
+    p.set_defaults(run=load_command)
 
     p = commands.add_parser("generate", help="generate from a HF checkpoint directory")
     p.add_argument("--checkpoint", required=True)

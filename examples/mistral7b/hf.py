@@ -16,7 +16,15 @@ from jaxtyping import Array
 import eqx_lean
 
 from .config import MistralConfig
-from .model import DecoderBlock, Mistral, RMSNorm, _linear_from_weight, _resolve_dtype, make_block
+from .model import (
+    DecoderBlock,
+    Mistral,
+    RMSNorm,
+    _linear_from_weight,
+    _resolve_dtype,
+    init,
+    make_block,
+)
 
 
 # HF tensor name inside `model.layers.{i}.` -> the leaf of one `DecoderBlock`.
@@ -176,42 +184,43 @@ def _checkpoint_files(path: str) -> dict[str, str]:
     )
 
 
-def load_hf(path: str | os.PathLike, *, dtype: Any = None, sharding: Any = None) -> Mistral:
-    """Loads a HuggingFace Mistral checkpoint directory.
+def _hf_name(path: Any, leaf: Any) -> str:
+    """The HF tensor name of a leaf of [`Mistral`][]: block leaves share HF's attribute names."""
+    del leaf
+    key = jax.tree_util.keystr(path)
+    if key.startswith(".layers."):
+        return _layer_name("{i}", key.removeprefix(".layers."))  # type: ignore[arg-type]
+    return {".embed_tokens.weight": _EMBED, ".norm.weight": _NORM, ".lm_head.weight": _HEAD}[key]
 
-    TODO(eqx_lean.load_stacked): tensors are read one at a time with `safetensors.safe_open`
-    and written into preallocated stacked buffers; replace with the streaming
-    `eqx_lean.load_stacked` once that lands.
+
+def abstract_model(config: MistralConfig, dtype: Any = None) -> Mistral:
+    """The model's structure with `jax.ShapeDtypeStruct` leaves: nothing is allocated."""
+    return eqx.filter_eval_shape(init, config, key=jax.random.key(0), dtype=dtype)
+
+
+def load_hf(path: str | os.PathLike, *, dtype: Any = None, sharding: Any = None) -> Mistral:
+    """Loads a HuggingFace Mistral checkpoint directory with [`eqx_lean.load_tensors`][].
+
+    Every tensor is streamed from a memory map of its file into buffers allocated once in
+    `dtype`, one layer at a time, so the process holds the model plus one tensor.
 
     **Arguments:**
 
     - `path`: a directory with `config.json` and `model.safetensors` or a sharded
         `model.safetensors.index.json` (as written by `save_pretrained` or [`save_hf`][]).
     - `dtype`: the model's dtype; `None` means the checkpoint's (`config.json`'s `dtype`).
-    - `sharding`: reserved; must be `None` for now.
+    - `sharding`: as for [`eqx_lean.load_tensors`][]: `None`, one `jax.sharding.Sharding` for
+        every leaf, or a pytree of shardings with the model's structure.
 
     **Returns:**
 
     The [`Mistral`][] model.
     """
-    if sharding is not None:
-        raise NotImplementedError("`sharding` is not supported yet; pass `sharding=None`.")
     path = os.fspath(path)
     config = MistralConfig.from_json(path)
-    files = _checkpoint_files(path)
-    missing = [name for name in _hf_names(config) if name not in files]
-    if missing:
-        raise KeyError(f"the checkpoint in {path!r} must hold every tensor; missing {missing[:5]}.")
-    safetensors = _import_safetensors()
-    handles: dict[str, Any] = {}
-
-    def get_tensor(name: str) -> np.ndarray:
-        file = files[name]
-        if file not in handles:
-            handles[file] = safetensors.safe_open(file, framework="np")
-        return handles[file].get_tensor(name)
-
-    return _assemble(get_tensor, config, _resolve_dtype(config, dtype))
+    _checkpoint_files(path)  # a clear message for a directory without weights
+    like = abstract_model(config, _resolve_dtype(config, dtype))
+    return eqx_lean.load_tensors(path, like, _hf_name, sharding=sharding)
 
 
 def _shards(

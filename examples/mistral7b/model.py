@@ -8,8 +8,7 @@ including itself.
 
 import dataclasses
 import functools
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -20,33 +19,6 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 import eqx_lean
 
 from .config import MistralConfig
-
-
-_Carry = TypeVar("_Carry")
-
-
-def _scan_blocks(
-    stacked: Any,
-    carry: _Carry,
-    xs: Any,
-    *,
-    call: Callable[[Any, _Carry, Any], tuple[_Carry, Any]],
-    remat: bool | None = None,
-) -> tuple[_Carry, Any]:
-    """Runs `call(block, carry, x_i) -> (carry, y_i)` over the layers of a stacked module.
-
-    TODO(eqx_lean.scan): a stand-in with the same signature as `eqx_lean.scan`; replace it
-    with `eqx_lean.scan(stacked, carry, xs, call=call, remat=remat)` once that lands.
-    """
-    dynamic, static = eqx.partition(stacked, eqx.is_array)
-
-    def body(carry: _Carry, inputs: tuple[Any, Any]) -> tuple[_Carry, Any]:
-        layer, x_i = inputs
-        return call(eqx.combine(layer, static), carry, x_i)
-
-    if remat:
-        body = jax.checkpoint(body)
-    return lax.scan(body, carry, (dynamic, xs))
 
 
 def _project(linear: eqx.nn.Linear, x: Float[Array, "... in"]) -> Float[Array, "... out"]:
@@ -284,7 +256,7 @@ class Mistral(eqx.Module):
             x, kv = block(x, rotary, positions, past_i, past_positions)
             return x, (kv if keep_kv else None)
 
-        x, new_kv = _scan_blocks(self.layers, x, past, call=call, remat=remat)
+        x, new_kv = eqx_lean.scan(self.layers, x, past, call=call, remat=remat)
         return _project(self.lm_head, self.norm(x)), new_kv
 
     def __call__(
