@@ -141,10 +141,6 @@ def _host_copy(array: Array, index: int | None) -> np.ndarray:
     return np.asarray(array if index is None else array[index])
 
 
-def _nbytes(array: Array, index: int | None) -> int:
-    return array.nbytes if index is None else array.nbytes // array.shape[0]
-
-
 def to_hf_state_dict(model: Mistral) -> dict[str, np.ndarray]:
     """The HuggingFace state dict of `model`: HF tensor names to numpy arrays (copies)."""
     return {name: _host_copy(array, index) for name, array, index in _hf_sources(model)}
@@ -223,27 +219,13 @@ def load_hf(path: str | os.PathLike, *, dtype: Any = None, sharding: Any = None)
     return eqx_lean.load_tensors(path, like, _hf_name, sharding=sharding)
 
 
-def _shards(
-    sources: list[tuple[str, Array, int | None]], max_shard_bytes: int
-) -> list[list[tuple[str, Array, int | None]]]:
-    shards: list[list[tuple[str, Array, int | None]]] = [[]]
-    total = 0
-    for source in sources:
-        size = _nbytes(source[1], source[2])
-        if shards[-1] and total + size > max_shard_bytes:
-            shards.append([])
-            total = 0
-        shards[-1].append(source)
-        total += size
-    return shards
-
-
 def save_hf(model: Mistral, path: str | os.PathLike, *, max_shard_bytes: int = 2 * 2**30) -> None:
     """Writes `model` as a HuggingFace checkpoint that `transformers` loads.
 
-    Writes `config.json` and `model.safetensors`, or, when the model exceeds
-    `max_shard_bytes`, numbered shards and `model.safetensors.index.json`. Only one shard is
-    copied to host memory at a time.
+    Writes `config.json` and, with [`eqx_lean.save_tensors`][], `model.safetensors` or, when
+    the model exceeds `max_shard_bytes`, numbered shards and `model.safetensors.index.json`.
+    One tensor (one layer's slice of a stacked leaf) is copied to host memory at a time, and
+    the weights replace an existing checkpoint in `path` only once all of them are written.
 
     **Arguments:**
 
@@ -251,32 +233,11 @@ def save_hf(model: Mistral, path: str | os.PathLike, *, max_shard_bytes: int = 2
     - `path`: the directory to write (created if needed).
     - `max_shard_bytes`: the largest shard size (a single larger tensor gets its own shard).
     """
-    safetensors = _import_safetensors()
     path = os.fspath(path)
-    os.makedirs(path, exist_ok=True)
+    # transformers refuses safetensors files without this metadata.
+    metadata = {"format": "pt"}
+    eqx_lean.save_tensors(path, model, _hf_name, max_shard_bytes=max_shard_bytes, metadata=metadata)
     config = model.config.to_hf()
     config["dtype"] = jnp.dtype(model.dtype).name
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
-
-    sources = _hf_sources(model)
-    shards = _shards(sources, max_shard_bytes)
-    count = len(shards)
-    file_names = (
-        [_SINGLE]
-        if count == 1
-        else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
-    )
-    for shard, file_name in zip(shards, file_names, strict=True):
-        arrays = {name: _host_copy(array, index) for name, array, index in shard}
-        file = os.path.join(path, file_name)
-        safetensors.numpy.save_file(arrays, file, metadata={"format": "pt"})
-        del arrays
-    if count > 1:
-        total = sum(_nbytes(array, index) for _, array, index in sources)
-        weight_map = {}
-        for shard, file_name in zip(shards, file_names, strict=True):
-            weight_map.update(dict.fromkeys((name for name, _, _ in shard), file_name))
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        with open(os.path.join(path, _INDEX), "w") as f:
-            json.dump(index, f, indent=2)
