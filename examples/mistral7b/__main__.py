@@ -84,8 +84,22 @@ def _report_totals(sampler: _AnonymousPeak) -> None:
     )
 
 
+def _save_with_report(model: Any, path: str) -> None:
+    from . import save_hf
+
+    sampler = _AnonymousPeak()
+    sampler.start()
+    start = time.perf_counter()
+    save_hf(model, path)
+    seconds = time.perf_counter() - start
+    print(
+        f"saved to {path} in {seconds:.1f} s: peak anonymous {_gib(sampler.stop())} "
+        f"for a model of {_gib(_model_kib(model))}"
+    )
+
+
 def build(args: argparse.Namespace) -> None:
-    from . import MistralConfig, init, save_hf
+    from . import MistralConfig, init
 
     config = MistralConfig.preset(args.preset)
     if args.layers:
@@ -110,8 +124,7 @@ def build(args: argparse.Namespace) -> None:
     _forward_and_decode(model)
     _report_totals(sampler)
     if args.save:
-        save_hf(model, args.save)
-        print(f"saved to {args.save}")
+        _save_with_report(model, args.save)
 
 
 def load_command(args: argparse.Namespace) -> None:
@@ -133,6 +146,8 @@ def load_command(args: argparse.Namespace) -> None:
     )
     _forward_and_decode(model)
     _report_totals(sampler)
+    if args.save:
+        _save_with_report(model, args.save)
 
 
 def generate_command(args: argparse.Namespace) -> None:
@@ -191,6 +206,7 @@ def main() -> None:
     p = commands.add_parser("load", help="load a HF checkpoint with the memory report")
     p.add_argument("--checkpoint", required=True)
     p.add_argument("--dtype", default=None)
+    p.add_argument("--save", default="", help="also write the model here with save_hf")
     p.set_defaults(run=load_command)
 
     p = commands.add_parser("generate", help="generate from a HF checkpoint directory")
