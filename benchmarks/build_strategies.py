@@ -51,13 +51,13 @@ def main() -> None:
     print("| --- | --- | --- | --- |")
 
     for group in plan.groups:
-        lowered = _build._write_layer_donated.lower(
-            plan.buffer_structs(group), keys, index, make, plan.signature, group
+        lowered = _build._write_layers_donated.lower(
+            plan.buffer_structs(group), keys, index, index, make, plan.signature, group
         )
         _report(f"per-group write, leaves {group.leaves} (chosen)", lowered)
 
-    lowered = _build._write_layer_donated.lower(
-        structs, keys, index, make, plan.signature, every_leaf
+    lowered = _build._write_layers_donated.lower(
+        structs, keys, index, index, make, plan.signature, every_leaf
     )
     _report("whole-layer write, called per layer", lowered)
 

@@ -3,6 +3,7 @@
 import concurrent.futures
 import ctypes
 import functools
+import itertools
 import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple, TypeVar, cast
@@ -339,7 +340,25 @@ def update_rows(buffer: Array, value: Array, start: Any) -> Array:
     return lax.bitcast_convert_type(updated, buffer.dtype)
 
 
-_write_layer_donated = jax.jit(_write_layer, static_argnums=(3, 4, 5), donate_argnums=0)
+def _write_layers(
+    buffers: _Leaves,
+    keys: Any,
+    start: Any,
+    stop: Any,
+    make_layer: Callable[[PRNGKeyArray], Any],
+    signature: _StaticSignature,
+    group: _Group,
+) -> _Leaves:
+    """Writes layers `start, ..., stop - 1` of one group, one after another, in a loop."""
+
+    def body(i: Any, buffers: _Leaves) -> _Leaves:
+        return _write_layer(buffers, keys, i, make_layer, signature, group)
+
+    return lax.fori_loop(start, stop, body, buffers)
+
+
+# The bounds are traced, so each group compiles once whatever the number of layers per call.
+_write_layers_donated = jax.jit(_write_layers, static_argnums=(4, 5, 6), donate_argnums=0)
 
 
 def _fill_traced(
@@ -351,14 +370,14 @@ def _fill_traced(
 ) -> None:
     """Fills the buffers with one `fori_loop` per group, for use inside an outer trace."""
     for group in groups:
-        body = functools.partial(
-            _write_layer, make_layer=make_layer, signature=signature, group=group
-        )
-        filled = lax.fori_loop(
+        filled = _write_layers(
+            tuple(buffers[j] for j in group.leaves),
+            keys,
             0,
             keys.shape[0],
-            lambda i, bufs, body=body: body(bufs, keys, i),
-            tuple(buffers[j] for j in group.leaves),
+            make_layer,
+            signature,
+            group,
         )
         for j, buffer in zip(group.leaves, filled, strict=True):
             buffers[j] = buffer
@@ -371,12 +390,25 @@ def _fill_eager(
     signature: _StaticSignature,
     groups: tuple[_Group, ...],
     layers: Iterator[int],
+    layers_per_call: int,
 ) -> None:
-    """Fills the buffers by calling one compiled, donating write per group and layer."""
-    for i in layers:
+    """Fills the buffers by calling each group's compiled, donating write on runs of layers.
+
+    A call allocates its temporaries once for all the layers it writes. Each call's
+    temporaries are fresh pages that the kernel must zero, so writing a run of small layers per
+    call instead of one saves that system time (about a fifth of the build on XLA:CPU).
+    """
+    while run := list(itertools.islice(layers, layers_per_call)):
+        start, stop = run[0], run[-1] + 1
         for group in groups:
-            filled = _write_layer_donated(
-                tuple(buffers[j] for j in group.leaves), keys, i, make_layer, signature, group
+            filled = _write_layers_donated(
+                tuple(buffers[j] for j in group.leaves),
+                keys,
+                start,
+                stop,
+                make_layer,
+                signature,
+                group,
             )
             for j, buffer in zip(group.leaves, filled, strict=True):
                 buffers[j] = buffer
@@ -384,6 +416,15 @@ def _fill_eager(
             # writes run at once and their temporaries add up.
             jax.block_until_ready(filled)
             release_freed_host_memory()
+
+
+# Runs of layers are cut so that one call writes about this many bytes of the stack.
+_BYTES_PER_CALL = 256 * 2**20
+
+
+def _layers_per_call(plan: "_Plan", num_layers: int) -> int:
+    stack_bytes = sum(s.size * np.dtype(s.dtype).itemsize for s in plan.structs)
+    return max(1, min(num_layers, _BYTES_PER_CALL * num_layers // max(stack_bytes, 1)))
 
 
 class _Plan(NamedTuple):
@@ -432,8 +473,8 @@ def _compile_writes(plan: _Plan, keys: Any, make_layer: Callable[[PRNGKeyArray],
     """Compiles the write of every group (a cache hit when built before) and returns them."""
     index = jax.ShapeDtypeStruct((), jnp.int32, weak_type=True)
     lowered = [
-        _write_layer_donated.lower(
-            plan.buffer_structs(group), keys, index, make_layer, plan.signature, group
+        _write_layers_donated.lower(
+            plan.buffer_structs(group), keys, index, index, make_layer, plan.signature, group
         )
         for group in plan.groups
     ]
@@ -577,7 +618,8 @@ def build_stacked(
     buffers = list(_allocate(plan.structs, plan.shardings))
     layers = _progress(len(keys), progress)
     try:
-        _fill_eager(buffers, keys, make_layer, plan.signature, plan.groups, layers)
+        per_call = _layers_per_call(plan, len(keys))
+        _fill_eager(buffers, keys, make_layer, plan.signature, plan.groups, layers, per_call)
     except BaseException:
         _delete(buffers)
         raise
