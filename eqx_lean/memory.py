@@ -1,0 +1,11 @@
+"""Memory estimates, measurements and live-array reports (`eqx_lean.memory`)."""
+
+from ._memory import (
+    LiveArrayGroup as LiveArrayGroup,
+    LiveArrayReport as LiveArrayReport,
+    Measurement as Measurement,
+    MemoryEstimate as MemoryEstimate,
+    estimate as estimate,
+    live_arrays as live_arrays,
+    measure as measure,
+)
