@@ -390,17 +390,28 @@ ACCURACY_CONFIGS = [
 METHODS = ("filter_jit(filter_vmap)", "filter_vmap", "build_stacked")
 
 
+# Resident file pages (libraries) count in RSS. When other processes' memory pressure evicts
+# some, the worker's peak over idle comes out low by as much (tens of MiB), so such a run is
+# repeated; the worker reports the drop, normally a small growth.
+DISTURBED_FILE_RSS_DROP = 4 * MiB
+
+
 def _measure_in_fresh_process(method: str, config: BlockConfig, dtype: str) -> dict:
     payload = json.dumps({**dataclasses.asdict(config), "dtype": dtype})
-    done = subprocess.run(
-        [sys.executable, "-m", "eqx_lean.bench._worker", method, payload],
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    figures = {}
+    for _ in range(3):
+        done = subprocess.run(
+            [sys.executable, "-m", "eqx_lean.bench._worker", method, payload],
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        figures = json.loads(done.stdout.strip().splitlines()[-1])
+        if figures["file_rss_drop_bytes"] <= DISTURBED_FILE_RSS_DROP:
+            break
+    return figures
 
 
 def test_estimates_match_fresh_process_measurements():
@@ -418,24 +429,32 @@ def test_estimates_match_fresh_process_measurements():
             )
         measured = {job: future.result() for job, future in futures.items()}
 
-    failures = []
+    failures, disturbed = [], []
     for config, dtype in ACCURACY_CONFIGS:
         e = estimates[config]
         figures = {m: measured[(m, config, dtype)] for m in METHODS}
         assert figures["build_stacked"]["final_bytes"] == e.final_bytes
-        over = figures["build_stacked"]["peak_over_idle_bytes"] - e.final_bytes
         checks = [
-            ("build_stacked overhead", e.build_stacked_overhead, over, 0.25),
-            ("filter_vmap peak", e.filter_vmap_peak, figures["filter_vmap"], 0.15),
-            ("filter_jit peak", e.filter_jit_vmap_peak, figures["filter_jit(filter_vmap)"], 0.15),
+            ("build_stacked", "overhead", e.build_stacked_overhead, e.final_bytes, 0.25),
+            ("filter_vmap", "peak", e.filter_vmap_peak, 0, 0.15),
+            ("filter_jit(filter_vmap)", "peak", e.filter_jit_vmap_peak, 0, 0.15),
         ]
-        for name, predicted, actual, tolerance in checks:
-            if isinstance(actual, dict):
-                actual = actual["peak_over_idle_bytes"]
+        for method, name, predicted, final, tolerance in checks:
+            actual = figures[method]["peak_over_idle_bytes"] - final
             error = (predicted - actual) / actual
-            line = f"{config} {dtype} {name}: predicted {predicted / MiB:.0f} MiB, measured "
-            line += f"{actual / MiB:.0f} MiB ({error:+.1%})"
+            drop = figures[method]["file_rss_drop_bytes"]
+            line = (
+                f"{config} {dtype} {method} {name}: predicted {predicted / MiB:.0f} MiB, "
+                f"measured {actual / MiB:.0f} MiB ({error:+.1%}); "
+                f"file RSS drop {drop / MiB:.1f} MiB"
+            )
             print(line)
-            if abs(error) > tolerance:
+            if drop > DISTURBED_FILE_RSS_DROP:
+                disturbed.append(line)
+            elif abs(error) > tolerance:
                 failures.append(line)
     assert not failures, "\n".join(failures)
+    if disturbed:
+        pytest.skip(
+            "memory pressure from other processes evicted file pages:\n" + "\n".join(disturbed)
+        )
