@@ -57,7 +57,7 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 # XLA:CPU draws host memory from glibc, which keeps some of it resident. The constants below are
 # the resident memory over idle that fresh processes showed on this project's machine beyond
-# XLA's own figures (JAX 0.10.2, glibc 2.36, Mistral-shaped blocks of 120-312 MiB in seven
+# XLA's own figures (JAX 0.10.2, glibc 2.36, Mistral-shaped blocks of 120-312 MiB in six
 # configurations; `docs/benchmarks.md`). Accelerators allocate from their own pools instead, so
 # there the estimate is XLA's figures alone.
 
@@ -229,8 +229,8 @@ def _dispatch_key(eqn: Any) -> Any | None:
     return (eqn.primitive.name, str(eqn.params), structs)
 
 
-def _lower_dispatch(eqn: Any) -> Any:
-    """Lowers one operation on its own, as eager JAX dispatches it."""
+def _lower_dispatch(eqn: Any) -> Any | None:
+    """Lowers one operation on its own, as eager JAX dispatches it; `None` if it cannot be."""
 
     def dispatch(*values):
         it = iter(values)
@@ -238,7 +238,21 @@ def _lower_dispatch(eqn: Any) -> Any:
         return eqn.primitive.bind(*args, **eqn.params)
 
     structs = [_struct_of(v.aval) for v in eqn.invars if not isinstance(v, jcore.Literal)]
-    return jax.jit(dispatch).lower(*structs)
+    try:
+        return jax.jit(dispatch).lower(*structs)
+    except Exception:
+        # An operation that only exists inside a larger program: counted without temporaries.
+        return None
+
+
+def _eager_dispatches(jaxpr: Any) -> dict[Any, Any]:
+    """Each distinct operation worth compiling on its own, lowered, by `_dispatch_key`."""
+    lowered = {}
+    for eqn in jaxpr.eqns:
+        key = _dispatch_key(eqn)
+        if key is not None and key not in lowered:
+            lowered[key] = _lower_dispatch(eqn)
+    return {key: x for key, x in lowered.items() if x is not None}
 
 
 def _eager_peak(jaxpr: Any, temps: dict[Any, int], cast_bytes: int) -> int:
@@ -335,19 +349,12 @@ def estimate(
     vmapped = _vmapped_leaves(make_layer)
     key_struct = _struct_of(keys)
     jaxpr = jax.make_jaxpr(vmapped)(key_struct).jaxpr
-    dispatches = {}
-    for eqn in jaxpr.eqns:
-        key = _dispatch_key(eqn)
-        if key is not None and key not in dispatches:
-            dispatches[key] = _lower_dispatch(eqn)
 
     def vmap_and_cast(keys):
         return _cast_leaves(vmapped(keys), plan.structs)
 
-    jit_vmap = jax.jit(vmap_and_cast).lower(key_struct)
-    writes, compiled = _compile_side_by_side(
-        plan, keys, make_layer, {**dispatches, "jit_vmap": jit_vmap}
-    )
+    lowered = {**_eager_dispatches(jaxpr), "jit_vmap": jax.jit(vmap_and_cast).lower(key_struct)}
+    writes, compiled = _compile_side_by_side(plan, keys, make_layer, lowered)
     jitted = compiled.pop("jit_vmap").memory_analysis()
     dispatch_temps = {k: c.memory_analysis().temp_size_in_bytes for k, c in compiled.items()}
     write_temps = sorted((w.memory_analysis().temp_size_in_bytes for w in writes), reverse=True)

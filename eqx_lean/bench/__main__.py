@@ -76,17 +76,6 @@ def _run_worker(method: str, config: BlockConfig, dtype: str) -> dict[str, Any]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _largest_write_temp(config: BlockConfig, dtype: str) -> int:
-    import jax
-
-    import eqx_lean
-
-    from ._models import Block
-
-    keys = jax.random.split(jax.random.key(0), config.num_layers)
-    return eqx_lean._build.write_temp_bytes(lambda k: Block(config, key=k), keys, dtype)[0]
-
-
 def _format_table(rows: list[dict[str, Any]]) -> str:
     header = f"{'method':<26}{'final':>11}{'peak-idle':>12}{'ratio':>8}{'time':>9}  note"
     lines = [header, "-" * len(header)]
@@ -141,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         if row["method"] == "build_stacked" and "ratio" in row:
             overhead = row["peak_over_idle_bytes"] - row["final_bytes"]
-            temp = _largest_write_temp(config, dtype)
+            temp = predicted.largest_write_temp
             row["overhead_bytes"] = overhead
             row["largest_write_temp_bytes"] = temp
             row["note"] = (

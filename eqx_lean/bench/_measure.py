@@ -15,6 +15,11 @@ def rss_bytes() -> int:
     return _status_kib("VmRSS") * 1024
 
 
+def file_rss_bytes() -> int:
+    """Resident pages of this process that are mapped files (`RssFile`: libraries, mmaps)."""
+    return _status_kib("RssFile") * 1024
+
+
 def peak_rss_bytes() -> int:
     """High-water mark of this process's resident memory (`VmHWM`)."""
     return _status_kib("VmHWM") * 1024

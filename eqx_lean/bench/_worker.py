@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 import eqx_lean
 
-from ._measure import peak_rss_bytes, rss_bytes
+from ._measure import file_rss_bytes, peak_rss_bytes, rss_bytes
 from ._models import Block, BlockConfig, Embeddings
 
 
@@ -62,6 +62,7 @@ def run(method: str, config: BlockConfig, dtype: Any, seed: int = 0) -> dict[str
     keys = jax.random.split(key_blocks, config.num_layers)
     jax.block_until_ready(keys)
     idle = rss_bytes()
+    file_idle = file_rss_bytes()
 
     start = time.perf_counter()
     embeddings = None
@@ -86,6 +87,9 @@ def run(method: str, config: BlockConfig, dtype: Any, seed: int = 0) -> dict[str
         "final_bytes": final,
         "ratio": (peak - idle) / final,
         "seconds": seconds,
+        # File-backed pages count in RSS; if other processes' memory pressure evicts some, the
+        # peak over idle comes out low. This drop (normally about zero) tells such runs apart.
+        "file_rss_drop_bytes": file_idle - file_rss_bytes(),
     }
 
 
