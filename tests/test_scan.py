@@ -139,7 +139,9 @@ def test_fold_differentiates_arrays_the_layers_close_over(mlp, getkey):
     scale = jax.random.normal(getkey(), (DIM,))
 
     def ours(scale, x):
-        return jnp.sum(jnp.sin(eqx_lean.fold(stacked, x, (scale,), call=lambda l, h, s: l(h) * s)))
+        return jnp.sum(
+            jnp.sin(eqx_lean.fold(stacked, x, (scale,), call=lambda layer, h, s: layer(h) * s))
+        )
 
     def loop(scale, x):
         for layer in eqx_lean.unstack(stacked):
