@@ -66,13 +66,15 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--sweep-methods",
-        default=",".join(_plot.HEADLINE_METHODS),
-        help="comma-separated methods measured at every --sweep-layers point "
-        f"(default: {','.join(_plot.HEADLINE_METHODS)}); the others appear at --layers only",
+        help="comma-separated methods measured at every --sweep-layers point (default: those "
+        f"of {', '.join(_plot.HEADLINE_METHODS)} in --methods); the others appear at --layers only",
     )
     args = parser.parse_args(argv)
     args.methods = _parse_methods(parser, "--methods", args.methods)
-    args.sweep_methods = _parse_methods(parser, "--sweep-methods", args.sweep_methods)
+    if args.sweep_methods is None:
+        args.sweep_methods = [m for m in _plot.HEADLINE_METHODS if m in args.methods]
+    else:
+        args.sweep_methods = _parse_methods(parser, "--sweep-methods", args.sweep_methods)
     args.sweep_layers = _parse_sweep_layers(parser, args.sweep_layers)
     return args
 
