@@ -115,7 +115,9 @@ def write_plot(rows: Sequence[dict[str, Any]], path: str | pathlib.Path, *, titl
     axes = figure.subplots()
     unit, unit_name = (GiB, "GiB") if max(_peaks(runs)) >= GiB else (MiB, "MiB")
 
-    for method in _methods(runs):
+    # Headline methods first, so that they lead the legend and are drawn on top.
+    methods = sorted(_methods(runs), key=lambda method: method not in HEADLINE_METHODS)
+    for method in methods:
         points = sorted(
             (row["num_layers"], row["peak_over_idle_bytes"] / unit, row["ratio"])
             for row in runs
@@ -135,12 +137,14 @@ def write_plot(rows: Sequence[dict[str, Any]], path: str | pathlib.Path, *, titl
             zorder=3 if headline else 2,
         )
         for x, y, ratio in points:
+            # Headline labels sit above-left of their point, the others to its right, so that
+            # labels at the same L do not cover each other.
             axes.annotate(
                 f"{ratio:.2f}x",
                 (x, y),
                 textcoords="offset points",
-                xytext=(-6, 7),
-                ha="right",
+                xytext=(-6, 7) if headline else (7, -3),
+                ha="right" if headline else "left",
                 fontsize=8,
                 color=_COLOURS.get(method),
             )
@@ -156,7 +160,7 @@ def write_plot(rows: Sequence[dict[str, Any]], path: str | pathlib.Path, *, titl
         zorder=1,
     )
 
-    axes.set_xlim(0, max(n for n, _ in finals) * 1.05)
+    axes.set_xlim(0, max(n for n, _ in finals) * 1.12)
     axes.set_ylim(0, max(_peaks(runs)) / unit * 1.15)
     axes.set_xlabel("number of stacked layers L")
     axes.set_ylabel(f"peak RSS over idle ({unit_name})")
