@@ -84,6 +84,21 @@ def _report_totals(sampler: _AnonymousPeak) -> None:
     )
 
 
+def _step_line(step: str, what: str, peak_kib: float, final_kib: float, seconds: float) -> str:
+    return (
+        f"{step}: final {_gib(final_kib)}, {what} {_gib(peak_kib)}, "
+        f"ratio {peak_kib / final_kib:.3f}, {seconds:.1f} s"
+    )
+
+
+def _run_and_save(model: Any, sampler: "_AnonymousPeak", save: str) -> None:
+    """Forward and decode with the whole run's memory report, then `save_hf` if asked."""
+    _forward_and_decode(model)
+    _report_totals(sampler)
+    if save:
+        _save_with_report(model, save)
+
+
 def _save_with_report(model: Any, path: str) -> None:
     from . import save_hf
 
@@ -117,14 +132,8 @@ def build(args: argparse.Namespace) -> None:
     peak = _status_kib("VmHWM") - idle
     final = _model_kib(model)
     print(f"config: {args.preset}, {config.num_hidden_layers} layers, {args.dtype}")
-    print(
-        f"build: final {_gib(final)}, peak RSS over idle {_gib(peak)}, "
-        f"ratio {peak / final:.3f}, {seconds:.1f} s"
-    )
-    _forward_and_decode(model)
-    _report_totals(sampler)
-    if args.save:
-        _save_with_report(model, args.save)
+    print(_step_line("build", "peak RSS over idle", peak, final, seconds))
+    _run_and_save(model, sampler, args.save)
 
 
 def load_command(args: argparse.Namespace) -> None:
@@ -140,14 +149,8 @@ def load_command(args: argparse.Namespace) -> None:
     seconds = time.perf_counter() - start
     load_peak = sampler.peak_kib - idle_anon
     final = _model_kib(model)
-    print(
-        f"load: final {_gib(final)}, peak anonymous over idle {_gib(load_peak)}, "
-        f"ratio {load_peak / final:.3f}, {seconds:.1f} s"
-    )
-    _forward_and_decode(model)
-    _report_totals(sampler)
-    if args.save:
-        _save_with_report(model, args.save)
+    print(_step_line("load", "peak anonymous over idle", load_peak, final, seconds))
+    _run_and_save(model, sampler, args.save)
 
 
 def generate_command(args: argparse.Namespace) -> None:
