@@ -7,6 +7,7 @@ from typing import Any, Literal, TypeAlias, TypeVar
 
 import equinox as eqx
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -294,13 +295,22 @@ def _layer_slice(tree: Any) -> Any:
 def _hoist_closure(
     step: Callable[[Any, Any, Any], tuple[Any, Any]], dynamic: Any, carry: Any, xs: Any
 ) -> tuple[Callable[[list[Array], Any, Any, Any], tuple[Any, Any]], list[Array]]:
-    """Makes the arrays `step` closes over explicit, so that they can be differentiated."""
-    converted, consts = jax.closure_convert(step, _layer_slice(dynamic), carry, _layer_slice(xs))
+    """Makes the arrays `step` closes over explicit, so that they can be differentiated.
+
+    Like `jax.closure_convert`, which however caches its result on the function: for a fresh
+    function per call, as here, that cache would keep every closed-over array alive.
+    """
+    closed, out_shape = jax.make_jaxpr(step, return_shape=True)(
+        _layer_slice(dynamic), carry, _layer_slice(xs)
+    )
+    out_tree = jax.tree.structure(out_shape)
 
     def with_consts(consts: list[Array], layer: Any, carry: Any, x: Any) -> tuple[Any, Any]:
-        return converted(layer, carry, x, *consts)
+        with_closure = jax.extend.core.ClosedJaxpr(closed.jaxpr, consts)
+        flat_out = jax.extend.core.jaxpr_as_fun(with_closure)(*jax.tree.leaves((layer, carry, x)))
+        return jax.tree.unflatten(out_tree, flat_out)
 
-    return with_consts, consts
+    return with_consts, list(closed.consts)
 
 
 def _scan(

@@ -1,3 +1,4 @@
+import gc
 import os
 import subprocess
 import sys
@@ -151,6 +152,17 @@ def test_fold_differentiates_arrays_the_layers_close_over(mlp, getkey):
     assert_close(jax.grad(ours, argnums=(0, 1))(scale, x), jax.grad(loop, argnums=(0, 1))(scale, x))
     assert_close(jax.jacfwd(ours)(scale, x), jax.jacfwd(loop)(scale, x))
     assert_close(jax.hessian(ours)(scale, x), jax.hessian(loop)(scale, x))
+
+
+def test_fold_keeps_no_reference_to_arrays_the_layers_close_over(mlp):
+    stacked, x, _ = mlp
+    before = {id(a) for a in jax.live_arrays()}
+    for _ in range(3):
+        closed_over = jnp.ones((256, 256))
+        out = eqx_lean.fold(stacked, x, (closed_over,), call=lambda layer, h, c: layer(h) + c[0, 0])
+        del closed_over, out
+    gc.collect()
+    assert {id(a) for a in jax.live_arrays()} <= before
 
 
 def test_bfloat16_forward_temporaries_are_one_layer_not_the_stack():
