@@ -66,7 +66,7 @@ SWEEP_ROWS = [
 
 
 def test_write_plot_writes_a_png(tmp_path):
-    path = tmp_path / "plot.png"
+    path = tmp_path / "new" / "plot.png"
     _plot.write_plot(SWEEP_ROWS, path, title="a title")
     assert _png_size(path) == (750, 480)  # figsize (7.5, 4.8) at 100 dpi
     assert 20_000 < path.stat().st_size < 100_000
@@ -153,12 +153,12 @@ def test_without_matplotlib_a_note_and_no_plot(monkeypatch, tmp_path, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
     monkeypatch.setattr(bench, "_run_worker", _fake_worker([]))
-    argv = ["--layers", "4", *TINY, "--methods", "filter_vmap", "--out", str(tmp_path)]
+    argv = ["--layers", "4", *TINY, "--methods", "filter_vmap", "--out", str(tmp_path / "out")]
     assert bench.main(argv) == 0
     out = capsys.readouterr().out
     assert "matplotlib is not installed, so no plot was written" in out
     assert "Plot written" not in out
-    assert not (tmp_path / "peak_memory.png").exists()
+    assert not (tmp_path / "out").exists()
 
     # With --json the note goes to stderr and stdout stays one JSON document.
     assert bench.main([*argv, "--json"]) == 0

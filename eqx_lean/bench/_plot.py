@@ -101,7 +101,7 @@ def write_plot(rows: Sequence[dict[str, Any]], path: str | pathlib.Path, *, titl
     **Arguments:**
 
     - `rows`: benchmark rows as for [`sweep_table`][], each with `method` and `num_layers`.
-    - `path`: the PNG file to write; its directory must exist.
+    - `path`: the PNG file to write; missing parent directories are created.
     - `title`: the plot's title.
 
     **Returns:**
@@ -111,7 +111,10 @@ def write_plot(rows: Sequence[dict[str, Any]], path: str | pathlib.Path, *, titl
     runs = measured(rows)
     if not runs:
         raise ValueError("`rows` must hold at least one measured run to plot; none was measured.")
-    figure = _figure_class()(figsize=(7.5, 4.8), dpi=100, layout="constrained")
+    figure_class = _figure_class()
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure = figure_class(figsize=(7.5, 4.8), dpi=100, layout="constrained")
     axes = figure.subplots()
     unit, unit_name = (GiB, "GiB") if max(_peaks(runs)) >= GiB else (MiB, "MiB")
 
