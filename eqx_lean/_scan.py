@@ -300,9 +300,9 @@ def _hoist_closure(
     Like `jax.closure_convert`, which however caches its result on the function: for a fresh
     function per call, as here, that cache would keep every closed-over array alive.
     """
-    closed, out_shape = jax.make_jaxpr(step, return_shape=True)(
-        _layer_slice(dynamic), carry, _layer_slice(xs)
-    )
+    # Shapes only: slicing the stack itself would copy one layer of it when run eagerly.
+    layer, x = jax.eval_shape(_layer_slice, (dynamic, xs))
+    closed, out_shape = jax.make_jaxpr(step, return_shape=True)(layer, carry, x)
     out_tree = jax.tree.structure(out_shape)
 
     def with_consts(consts: list[Array], layer: Any, carry: Any, x: Any) -> tuple[Any, Any]:

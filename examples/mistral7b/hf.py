@@ -42,7 +42,7 @@ _BLOCK_TENSORS: dict[str, Callable[[DecoderBlock], Any]] = {
 _EMBED, _NORM, _HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
 
 
-def _layer_name(index: int, name: str) -> str:
+def _layer_name(index: int | str, name: str) -> str:
     return f"model.layers.{index}.{name}"
 
 
@@ -146,38 +146,17 @@ def to_hf_state_dict(model: Mistral) -> dict[str, np.ndarray]:
     return {name: _host_copy(array, index) for name, array, index in _hf_sources(model)}
 
 
-def _import_safetensors() -> Any:
-    try:
-        import safetensors
-        import safetensors.numpy
-    except ImportError as e:
-        raise ImportError(
-            "Reading and writing HF checkpoints needs safetensors: `pip install safetensors` "
-            "(or `pip install eqx_lean[io]`)."
-        ) from e
-    return safetensors
-
-
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
 
 
-def _checkpoint_files(path: str) -> dict[str, str]:
-    """Tensor name -> safetensors file, for a single-file or a sharded (indexed) checkpoint."""
-    index = os.path.join(path, _INDEX)
-    if os.path.exists(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
-        return {name: os.path.join(path, file) for name, file in weight_map.items()}
-    single = os.path.join(path, _SINGLE)
-    if os.path.exists(single):
-        safetensors = _import_safetensors()
-        with safetensors.safe_open(single, framework="np") as f:
-            return dict.fromkeys(f.keys(), single)
-    raise FileNotFoundError(
-        f"`path` must be a HF checkpoint directory holding `{_SINGLE}` or `{_INDEX}`; "
-        f"found neither in {path!r}."
-    )
+def _require_weights(path: str) -> None:
+    """A clear message for a directory without HF weights, before anything is read."""
+    if not any(os.path.exists(os.path.join(path, name)) for name in (_INDEX, _SINGLE)):
+        raise FileNotFoundError(
+            f"`path` must be a HF checkpoint directory holding `{_SINGLE}` or `{_INDEX}`; "
+            f"found neither in {path!r}."
+        )
 
 
 def _hf_name(path: Any, leaf: Any) -> str:
@@ -185,7 +164,7 @@ def _hf_name(path: Any, leaf: Any) -> str:
     del leaf
     key = jax.tree_util.keystr(path)
     if key.startswith(".layers."):
-        return _layer_name("{i}", key.removeprefix(".layers."))  # type: ignore[arg-type]
+        return _layer_name("{i}", key.removeprefix(".layers."))
     return {".embed_tokens.weight": _EMBED, ".norm.weight": _NORM, ".lm_head.weight": _HEAD}[key]
 
 
@@ -214,7 +193,7 @@ def load_hf(path: str | os.PathLike, *, dtype: Any = None, sharding: Any = None)
     """
     path = os.fspath(path)
     config = MistralConfig.from_json(path)
-    _checkpoint_files(path)  # a clear message for a directory without weights
+    _require_weights(path)
     like = abstract_model(config, _resolve_dtype(config, dtype))
     return eqx_lean.load_tensors(path, like, _hf_name, sharding=sharding)
 
