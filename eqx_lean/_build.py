@@ -16,6 +16,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, Sharding
 from jaxtyping import Array, PRNGKeyArray
 
+from . import _threefry
 from ._policy import (
     DtypePolicy,
     ShardingPolicy,
@@ -395,8 +396,7 @@ def _fill_traced(
 def _fill_eager(
     buffers: list[Array],
     keys: Any,
-    make_layer: Callable[[PRNGKeyArray], Any],
-    signature: _StaticSignature,
+    writes: Sequence[jax.stages.Compiled],
     groups: tuple[_Group, ...],
     layers: Iterator[int],
     layers_per_call: int,
@@ -409,16 +409,8 @@ def _fill_eager(
     """
     while run := list(itertools.islice(layers, layers_per_call)):
         start, stop = run[0], run[-1] + 1
-        for group in groups:
-            filled = _write_layers_donated(
-                tuple(buffers[j] for j in group.leaves),
-                keys,
-                start,
-                stop,
-                make_layer,
-                signature,
-                group,
-            )
+        for group, write in zip(groups, writes, strict=True):
+            filled = write(tuple(buffers[j] for j in group.leaves), keys, start, stop)
             for j, buffer in zip(group.leaves, filled, strict=True):
                 buffers[j] = buffer
             # Dispatch is asynchronous and the groups are independent: without waiting, several
@@ -479,11 +471,17 @@ class _Plan(NamedTuple):
 
 
 def _compile_writes(plan: _Plan, keys: Any, make_layer: Callable[[PRNGKeyArray], Any]) -> list[Any]:
-    """Compiles the write of every group (a cache hit when built before) and returns them."""
+    """Compiles the write of every group (a cache hit when built before) and returns them.
+
+    Threefry is lowered unrolled, so that each draw fuses into the write of its leaf instead of
+    materialising the random bits (see `_threefry`).
+    """
     index = jax.ShapeDtypeStruct((), jnp.int32, weak_type=True)
     lowered = [
-        _write_layers_donated.lower(
-            plan.buffer_structs(group), keys, index, index, make_layer, plan.signature, group
+        _threefry.lower(
+            _write_layers_donated.trace(
+                plan.buffer_structs(group), keys, index, index, make_layer, plan.signature, group
+            )
         )
         for group in plan.groups
     ]
@@ -622,13 +620,13 @@ def build_stacked(
 
     # Compiling before the buffers exist keeps the compiler's own transient memory from
     # stacking on top of the final model in the peak.
-    _compile_writes(plan, keys, make_layer)
+    writes = _compile_writes(plan, keys, make_layer)
     release_freed_host_memory()
     buffers = list(_allocate(plan.structs, plan.shardings))
     layers = _progress(len(keys), progress)
     try:
         per_call = _layers_per_call(plan, len(keys))
-        _fill_eager(buffers, keys, make_layer, plan.signature, plan.groups, layers, per_call)
+        _fill_eager(buffers, keys, writes, plan.groups, layers, per_call)
     except BaseException:
         _delete(buffers)
         raise

@@ -59,7 +59,20 @@ def make_with_integers(key):
     return WithIntegers(key=key)
 
 
-LAYERS = [make_mlp, make_block, make_attention, make_with_integers]
+def make_every_draw(key):
+    """A leaf for each way `jax.random` reaches Threefry, which the writes lower unrolled."""
+    k = jax.random.split(key, 5)
+    return {
+        "normal": jax.random.normal(k[0], (33, 7)),
+        "uniform": jax.random.uniform(k[1], (5, 3), minval=-2.0, maxval=2.0),
+        "truncated": jax.random.truncated_normal(k[2], -2.0, 2.0, (9,)),
+        "folded": jax.random.normal(jax.random.fold_in(k[3], 7), (6,)),
+        "bits": jax.random.bits(k[4], (4, 4), jnp.uint16),
+        "permutation": jax.random.permutation(k[4], 10),
+    }
+
+
+LAYERS = [make_mlp, make_block, make_attention, make_with_integers, make_every_draw]
 
 
 def cast_reference(tree, dtype):
@@ -115,6 +128,15 @@ def test_parity_with_raw_uint32_keys():
     assert keys.dtype == jnp.uint32
     expected = cast_reference(eqx.filter_vmap(make_block)(keys), jnp.bfloat16)
     assert_bitwise_equal(eqx_lean.build_stacked(make_block, keys, jnp.bfloat16), expected)
+
+
+@pytest.mark.parametrize("make_layer", [make_block, make_every_draw])
+def test_parity_without_partitionable_threefry(make_layer):
+    keys = jax.random.split(jax.random.key(4), 3)
+    with jax.threefry_partitionable(False):
+        expected = cast_reference(eqx.filter_vmap(make_layer)(keys), jnp.bfloat16)
+        actual = eqx_lean.build_stacked(make_layer, keys, jnp.bfloat16)
+    assert_bitwise_equal(actual, expected)
 
 
 def test_per_leaf_dtype_rule_keeps_norms_in_float32():

@@ -1,0 +1,114 @@
+"""The unrolled Threefry lowering: JAX's random bits, bit for bit, without the temporaries."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.extend.random import threefry2x32_p
+
+from eqx_lean import _threefry
+
+
+U32_MAX = 2**32 - 1
+
+
+def test_the_override_is_available_on_this_jax():
+    # Without it the library still works, but every draw in `build_stacked` needs 4 x its size
+    # in temporaries on CPU again: a JAX that drops the hook must fail here, not silently.
+    assert _threefry.FUSES_THREEFRY
+
+
+# Random123's known-answer vectors for Threefry-2x32 with 20 rounds, as in JAX's own tests:
+# (key1, key2), (counter1, counter2) -> (word1, word2).
+KNOWN_ANSWERS = [
+    ((0, 0), (0, 0), (0x6B200159, 0x99BA4EFE)),
+    ((U32_MAX, U32_MAX), (U32_MAX, U32_MAX), (0x1CB996FC, 0xBB002BE7)),
+    ((0x13198A2E, 0x03707344), (0x243F6A88, 0x85A308D3), (0xC4923A9C, 0x483DF7A0)),
+]
+
+
+@pytest.mark.parametrize("key, counter, expected", KNOWN_ANSWERS)
+def test_hash_gives_the_reference_implementations_answers(key, counter, expected):
+    k1, k2, x1, x2 = (jnp.asarray([v], jnp.uint32) for v in (*key, *counter))
+    words = jax.jit(_threefry.threefry2x32_unrolled)(k1, k2, x1, x2)
+    assert tuple(int(w[0]) for w in words) == expected
+
+
+def test_hash_matches_jax_own_primitive():
+    rng = np.random.default_rng(0)
+    counters = rng.integers(0, 2**32, (2, 1001), dtype=np.uint32)
+    counters[:, :2] = [[0, U32_MAX], [U32_MAX, 0]]
+    for key in rng.integers(0, 2**32, (4, 2), dtype=np.uint32):
+        k1, k2 = (jnp.asarray(k) for k in key)
+        expected = threefry2x32_p.bind(k1, k2, *map(jnp.asarray, counters))
+        actual = jax.jit(_threefry.threefry2x32_unrolled)(k1, k2, *map(jnp.asarray, counters))
+        for a, b in zip(actual, expected, strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
+def every_draw(key):
+    """One output per way `jax.random` reaches the Threefry hash (bits, split, fold_in, ...)."""
+    k = jax.random.split(key, 7)
+    return {
+        "normal": jax.random.normal(k[0], (33, 7)),  # an odd count: the hash pads by one
+        "uniform": jax.random.uniform(k[1], (5, 3), minval=-2.0, maxval=2.0),
+        "truncated": jax.random.truncated_normal(k[2], -2.0, 2.0, (9,)),
+        "bits16": jax.random.bits(k[3], (4, 4), jnp.uint16),
+        "bits32": jax.random.bits(k[3], (3,), jnp.uint32),
+        "folded": jax.random.normal(jax.random.fold_in(k[4], 7), (6,)),
+        "permutation": jax.random.permutation(k[5], 10),
+        "randint": jax.random.randint(k[6], (8,), -5, 5),
+        "split": jax.random.key_data(jax.random.split(k[6], 3)),
+    }
+
+
+def compile_both(f, *args):
+    traced = jax.jit(f).trace(*args)
+    return traced.lower().compile(), _threefry.lower(traced).compile()
+
+
+@pytest.mark.parametrize("partitionable", [True, False])
+@pytest.mark.parametrize("raw", [False, True], ids=["typed-key", "raw-key"])
+def test_lowering_changes_no_value(partitionable, raw):
+    key = jax.random.PRNGKey(11) if raw else jax.random.key(11)
+    with jax.threefry_partitionable(partitionable):
+        default, unrolled = compile_both(every_draw, key)
+        expected, actual = default(key), unrolled(key)
+    for name in expected:
+        np.testing.assert_array_equal(actual[name], expected[name], err_msg=name)
+
+
+def write_draw(buffer, key):
+    """A donated buffer's first row set to a fresh draw, as `build_stacked` writes a layer."""
+    draw = jax.random.normal(key, buffer.shape[1:], jnp.float32)
+    return buffer.at[0].set(draw.astype(buffer.dtype))
+
+
+def test_a_draw_fuses_into_its_write():
+    buffer = jax.ShapeDtypeStruct((2, 1024, 1024), jnp.bfloat16)
+    key = jax.random.key(0)
+    traced = jax.jit(write_draw, donate_argnums=0).trace(buffer, key)
+    default = traced.lower().compile().memory_analysis()
+    unrolled = _threefry.lower(traced).compile().memory_analysis()
+    draw_bytes = 1024 * 1024 * 4
+    # The default CPU lowering materialises the hash's state and bits (4 x the float32 draw on
+    # JAX 0.10.2); unrolled, the draw, the cast and the update are one in-place loop.
+    assert unrolled.temp_size_in_bytes <= 64 * 2**10, (unrolled, default, draw_bytes)
+    assert unrolled.alias_size_in_bytes == 2 * 1024 * 1024 * 2
+
+
+def test_the_override_is_scoped_to_the_programs_it_lowers():
+    buffer = jax.ShapeDtypeStruct((2, 512, 512), jnp.bfloat16)
+    key = jax.random.key(0)
+
+    def plain_temp():
+        # A new function object each time, so nothing is served from jit's caches.
+        f = jax.jit(lambda b, k: write_draw(b, k), donate_argnums=0)
+        return f.lower(buffer, key).compile().memory_analysis().temp_size_in_bytes
+
+    before = plain_temp()
+    traced = jax.jit(write_draw, donate_argnums=0).trace(buffer, key)
+    unrolled = _threefry.lower(traced).compile().memory_analysis().temp_size_in_bytes
+    if unrolled == before:
+        pytest.skip("JAX's own CPU lowering fuses the draw too: there is no override to leak")
+    assert plain_temp() == before
