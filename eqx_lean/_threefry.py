@@ -14,9 +14,12 @@ differs. The override is scoped to the programs lowered through `lower`, never g
 """
 
 import inspect
+from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.extend.random import threefry2x32_p
 from jax.interpreters import mlir
 from jaxtyping import Array
@@ -26,8 +29,9 @@ _ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
 _KEY_PARITY = np.uint32(0x1BD11BDA)
 
 
-def _rotate_left(x: Array, bits: int) -> Array:
-    return (x << np.uint32(bits)) | (x >> np.uint32(32 - bits))
+def _rotate_left(x: Array, bits: int | Array) -> Array:
+    bits = jnp.asarray(bits, jnp.uint32)
+    return (x << bits) | (x >> (jnp.uint32(32) - bits))
 
 
 def threefry2x32_unrolled(key1: Array, key2: Array, x1: Array, x2: Array) -> tuple[Array, Array]:
@@ -54,17 +58,68 @@ def threefry2x32_unrolled(key1: Array, key2: Array, x1: Array, x2: Array) -> tup
     return x1, x2
 
 
-_UNROLLED_RULE = mlir.lower_fun(threefry2x32_unrolled, multiple_results=True)
-_PARAMETERS = mlir.LoweringParameters(override_lowering_rules=((threefry2x32_p, _UNROLLED_RULE),))
+def _threefry2x32_rolled(key1: Array, key2: Array, x1: Array, x2: Array) -> tuple[Array, Array]:
+    """The same hash as a loop over its five blocks of rounds, as JAX lowers it on CPU."""
+    keys = (key1, key2, key1 ^ key2 ^ _KEY_PARITY)
+    rotations = tuple(jnp.asarray(r, jnp.uint32) for r in _ROTATIONS)
+
+    def block(i, state):
+        (x1, x2), keys, rotations = state
+        for r in range(4):
+            x1 = x1 + x2
+            x2 = _rotate_left(x2, rotations[0][r]) ^ x1
+        x1 = x1 + keys[1]
+        x2 = x2 + keys[2] + (i + 1).astype(jnp.uint32)
+        return (x1, x2), (keys[1], keys[2], keys[0]), (rotations[1], rotations[0])
+
+    state = ((x1 + keys[0], x2 + keys[1]), keys, rotations)
+    words, _, _ = lax.fori_loop(0, 5, block, state)
+    return words
 
 
-def _can_override_lowering() -> bool:
-    # `Traced.lower(_private_parameters=...)` is how `jax.export` passes its lowering rules; it
-    # is not public API, so a JAX without it lowers as usual (same values, more temporaries).
-    return "_private_parameters" in inspect.signature(jax.stages.Traced.lower).parameters
+# Below this many counters, a hash is key arithmetic (`split`, `fold_in`), not a draw worth
+# fusing: it is lowered as a loop, see `_hash_for_lowering`. Materialised, its words cost
+# 8 bytes a counter, at most 512 KiB here.
+_FUSED_MIN_COUNTERS = 2**16
 
 
-FUSES_THREEFRY = _can_override_lowering()
+def _hash_for_lowering(key1: Array, key2: Array, x1: Array, x2: Array) -> tuple[Array, Array]:
+    """Unrolled for draws, so they fuse into their consumers; a loop for key arithmetic.
+
+    A derived key (a row of `split(key, 9)`, say) feeds a draw as a scalar. Unrolled, XLA fuses
+    its hash into the draw's loop, where it is recomputed for every element unless LLVM hoists
+    it out, which it does or not depending on unrelated constants: a Mistral-7B MLP write of
+    3 layers took 7 s instead of 0.5 s for 2. A loop cannot be fused (an optimisation barrier
+    did not stop XLA:CPU), so as a loop it is computed once, as with JAX's own lowering.
+    """
+    if x1.size >= _FUSED_MIN_COUNTERS:
+        return threefry2x32_unrolled(key1, key2, x1, x2)
+    return _threefry2x32_rolled(key1, key2, x1, x2)
+
+
+def _unrolled_lowering_parameters() -> Any | None:
+    """Lowering parameters that override Threefry's rule; `None` where this JAX cannot take them.
+
+    `Traced.lower(_private_parameters=...)` is how `jax.export` passes its own lowering rules; it
+    is not public API, so a JAX without it (or without these classes) lowers as usual: the same
+    values, with JAX's temporaries.
+    """
+    if "_private_parameters" not in inspect.signature(jax.stages.Traced.lower).parameters:
+        return None
+    try:
+        rule = mlir.lower_fun(_hash_for_lowering, multiple_results=True)
+        return mlir.LoweringParameters(override_lowering_rules=((threefry2x32_p, rule),))
+    except (AttributeError, TypeError):
+        return None
+
+
+# One object for the whole process: it is part of the compilation cache's key.
+_PARAMETERS = _unrolled_lowering_parameters()
+
+
+def fuses_threefry() -> bool:
+    """Whether `lower` can lower Threefry unrolled with this JAX."""
+    return _PARAMETERS is not None
 
 
 def lower(traced: jax.stages.Traced) -> jax.stages.Lowered:
@@ -81,6 +136,6 @@ def lower(traced: jax.stages.Traced) -> jax.stages.Lowered:
 
     The `jax.stages.Lowered` program, ready for `.compile()`.
     """
-    if not FUSES_THREEFRY:
+    if _PARAMETERS is None:
         return traced.lower()
     return traced.lower(_private_parameters=_PARAMETERS)

@@ -64,6 +64,7 @@ def make_every_draw(key):
     k = jax.random.split(key, 5)
     return {
         "normal": jax.random.normal(k[0], (33, 7)),
+        "normal_large": jax.random.normal(k[0], (512, 300)),  # the unrolled, fused hash
         "uniform": jax.random.uniform(k[1], (5, 3), minval=-2.0, maxval=2.0),
         "truncated": jax.random.truncated_normal(k[2], -2.0, 2.0, (9,)),
         "folded": jax.random.normal(jax.random.fold_in(k[3], 7), (6,)),

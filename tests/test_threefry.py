@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from jax.extend.random import threefry2x32_p
 
+import eqx_lean
 from eqx_lean import _threefry
 
 
@@ -15,7 +16,7 @@ U32_MAX = 2**32 - 1
 def test_the_override_is_available_on_this_jax():
     # Without it the library still works, but every draw in `build_stacked` needs 4 x its size
     # in temporaries on CPU again: a JAX that drops the hook must fail here, not silently.
-    assert _threefry.FUSES_THREEFRY
+    assert _threefry.fuses_threefry()
 
 
 # Random123's known-answer vectors for Threefry-2x32 with 20 rounds, as in JAX's own tests:
@@ -34,14 +35,19 @@ def test_hash_gives_the_reference_implementations_answers(key, counter, expected
     assert tuple(int(w[0]) for w in words) == expected
 
 
-def test_hash_matches_jax_own_primitive():
+@pytest.mark.parametrize(
+    "hash_fn",
+    [_threefry.threefry2x32_unrolled, _threefry._threefry2x32_rolled],
+    ids=["unrolled", "rolled"],
+)
+def test_hash_matches_jax_own_primitive(hash_fn):
     rng = np.random.default_rng(0)
     counters = rng.integers(0, 2**32, (2, 1001), dtype=np.uint32)
     counters[:, :2] = [[0, U32_MAX], [U32_MAX, 0]]
     for key in rng.integers(0, 2**32, (4, 2), dtype=np.uint32):
         k1, k2 = (jnp.asarray(k) for k in key)
         expected = threefry2x32_p.bind(k1, k2, *map(jnp.asarray, counters))
-        actual = jax.jit(_threefry.threefry2x32_unrolled)(k1, k2, *map(jnp.asarray, counters))
+        actual = jax.jit(hash_fn)(k1, k2, *map(jnp.asarray, counters))
         for a, b in zip(actual, expected, strict=True):
             np.testing.assert_array_equal(a, b)
 
@@ -51,6 +57,10 @@ def every_draw(key):
     k = jax.random.split(key, 7)
     return {
         "normal": jax.random.normal(k[0], (33, 7)),  # an odd count: the hash pads by one
+        # Above `_FUSED_MIN_COUNTERS`, partitionable or not (unpartitionable Threefry hashes half as
+        # many counters): drawn with the unrolled hash; the rest with the loop.
+        "normal_large": jax.random.normal(k[0], (512, 300)),
+        "uniform_large": jax.random.uniform(k[1], (2**16 + 1,)),
         "uniform": jax.random.uniform(k[1], (5, 3), minval=-2.0, maxval=2.0),
         "truncated": jax.random.truncated_normal(k[2], -2.0, 2.0, (9,)),
         "bits16": jax.random.bits(k[3], (4, 4), jnp.uint16),
@@ -112,3 +122,34 @@ def test_the_override_is_scoped_to_the_programs_it_lowers():
     if unrolled == before:
         pytest.skip("JAX's own CPU lowering fuses the draw too: there is no override to leak")
     assert plain_temp() == before
+
+
+def test_without_the_override_the_build_is_the_same(monkeypatch):
+    """A JAX without the lowering hook gets JAX's own lowering: more temporaries, same values."""
+    keys = jax.random.split(jax.random.key(5), 3)
+    fused = eqx_lean.build_stacked(every_draw, keys, jnp.bfloat16)
+    monkeypatch.setattr(_threefry, "_PARAMETERS", None)
+    assert not _threefry.fuses_threefry()
+    plain = eqx_lean.build_stacked(every_draw, keys, jnp.bfloat16)
+    for a, b in zip(jax.tree.leaves(fused), jax.tree.leaves(plain), strict=True):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+
+
+def test_key_arithmetic_is_not_fused_into_the_draws_loop():
+    """A derived key is hashed once, in a loop of its own, not for every element of the draw.
+
+    Fused into the draw's loop, a split key's 20 rounds ran for each element wherever LLVM did
+    not hoist them (a 7x slower Mistral-7B write); only a loop keeps XLA:CPU from fusing it.
+    """
+
+    def write(buffer, key):
+        derived = jax.random.split(key, 9)[4]
+        draw = jax.random.normal(derived, buffer.shape[1:], jnp.float32)
+        return buffer.at[0].set(draw.astype(buffer.dtype))
+
+    buffer = jax.ShapeDtypeStruct((3, 512, 512), jnp.bfloat16)
+    traced = jax.jit(write, donate_argnums=0).trace(buffer, jax.random.key(0))
+    compiled = _threefry.lower(traced).compile()
+    assert compiled.as_text().count(" while(") == 1  # the split's hash; the draw has none
+    assert compiled.memory_analysis().temp_size_in_bytes <= 64 * 2**10
