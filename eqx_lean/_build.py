@@ -566,9 +566,12 @@ def build_stacked(
     by casting its floating leaves to `dtype` (and to the eager `eqx.filter_vmap` too, unless
     `make_layer` does arithmetic on drawn values that compiled code fuses into a multiply-add),
     but it never holds more than the final stack plus the temporaries of one layer's largest
-    leaf: buffers are preallocated in the target dtype, and
-    each layer is built by a compiled write (the layer index is traced, so it compiles once
-    whatever `L` is) that donates the stacked buffers and updates them in place.
+    leaf: buffers are preallocated in the target dtype, and each layer is built by a compiled
+    write (the layer index is traced, so it compiles once whatever `L` is) that donates the
+    stacked buffers and updates them in place. The writes lower JAX's Threefry hash unrolled
+    (as JAX does on GPU and TPU, not on CPU), so each random draw fuses into the write of its
+    rows and needs no temporaries at all; only what cannot fuse (a QR, a reduction over a
+    leaf) costs the temporaries of one group of leaves, no larger than the largest leaf.
 
     ```python
     keys = jax.random.split(jax.random.key(0), 32)
@@ -576,7 +579,10 @@ def build_stacked(
     ```
 
     Inside an outer trace (`jax.jit`, `eqx.filter_eval_shape`, ...) the layers are written by a
-    `lax.fori_loop`, so the trace holds one copy of `make_layer` whatever `L` is.
+    `lax.fori_loop`, so the trace holds one copy of `make_layer` whatever `L` is. There the
+    outer `jit` lowers the draws, with JAX's own Threefry: on CPU the loops then carry its
+    temporaries (96 MiB for four layers of one 16 MiB float32 matrix, against 18 KiB for the
+    writes of an eager call).
 
     **Arguments:**
 

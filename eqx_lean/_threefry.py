@@ -7,7 +7,11 @@ float32 values therefore needs about `4 n` x 4 bytes of temporaries (both halves
 going in, both halves of the state, the bits coming out). Unrolled, as JAX lowers it on every
 other platform, the hash is elementwise arithmetic on an iota, which XLA fuses with the
 conversion to floats, the cast and the in-place `dynamic_update_slice` of `build_stacked`'s
-writes: the draw needs no temporaries at all, and runs about three times faster.
+writes: the draw needs no temporaries at all, and runs 2.6x (normal) to 6x (uniform) faster.
+
+Only draws are unrolled. Key arithmetic (`split`, `fold_in`: a few counters) stays a loop, so
+that it is computed once instead of being fused into, and recomputed for each element of, the
+draw it keys.
 
 The values are the same bit for bit (it is the same integer arithmetic); only the lowering
 differs. The override is scoped to the programs lowered through `lower`, never global.

@@ -377,11 +377,10 @@ def test_per_device_figures_on_eight_devices():
 
 # --- accuracy against fresh-process measurements ------------------------------------------------
 
-# Each measured in fresh processes with the benchmark's worker (the design notes' protocol);
-# sized so that every process stays under 2 GiB, and so that the largest write's temporaries
-# (42-133 MiB) dominate build_stacked's overhead: where they are under ~32 MiB, the ~50 MiB
-# of what compiling and glibc leave resident scatters by +-15 MiB from run to run, so a
-# ~80 MiB overhead can come out 25-30 % off (measured: L=24, d=640, 71-81 MiB against 91).
+# Each measured in fresh processes with the benchmark's worker (the design notes' protocol),
+# sized so that every process stays under 2 GiB. build_stacked's writes fuse their draws (no XLA
+# temporaries), so its overhead is what compiling and glibc leave resident, ~41-46 MiB; before
+# the draws fused, writes with temporaries under ~32 MiB left a scatter of +-15 MiB in it.
 # None of them was used to choose the constants in `_memory.py`.
 ACCURACY_CONFIGS = [
     (BlockConfig(num_layers=14, dim=896, hidden=3072, heads=7, kv_heads=1), "bfloat16"),

@@ -402,7 +402,7 @@ def init(
 
     The embedding, head and final norm are built first (each one's float32 temporaries are
     freed before the next), then the blocks with [`eqx_lean.build_stacked`][] one layer at a
-    time, so the peak stays near the final size plus one layer's largest matrix.
+    time, each draw fused into its in-place write, so the peak stays near the final size.
 
     **Arguments:**
 
