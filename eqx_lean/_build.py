@@ -361,8 +361,8 @@ def _write_layers(
 
 # The bounds are traced, so each group compiles once whatever the number of layers per call.
 # Loop-invariant code motion would hoist the layer's loop-invariant values (Threefry's counters,
-# as large as the leaf) out of the loop, where they live beside the loop's own temporaries:
-# 1.5x the temporaries of writing one layer per call, for no speed-up.
+# as large as the leaf) out of the loop and materialise them: with the draws fused, 28 MiB
+# instead of 2 KiB for the default bench's MLP writes, 448 MiB instead of 1 KiB for Mistral-7B's.
 _write_layers_donated = jax.jit(
     _write_layers,
     static_argnums=(4, 5, 6),

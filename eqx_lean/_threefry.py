@@ -38,6 +38,25 @@ def _rotate_left(x: Array, bits: int | Array) -> Array:
     return (x << bits) | (x >> (jnp.uint32(32) - bits))
 
 
+_State = tuple[tuple[Array, Array], tuple[Any, Any, Any], tuple[Any, Any]]
+
+
+def _initial_state(key1: Array, key2: Array, x1: Array, x2: Array, rotations: Any) -> _State:
+    keys = (key1, key2, key1 ^ key2 ^ _KEY_PARITY)
+    return (x1 + keys[0], x2 + keys[1]), keys, rotations
+
+
+def _block(i: Any, state: _State) -> _State:
+    """Four rounds, then a key injection; the key schedule and the rotations turn by one."""
+    (x1, x2), keys, rotations = state
+    for rotation in rotations[0]:
+        x1 = x1 + x2
+        x2 = _rotate_left(x2, rotation) ^ x1
+    x1 = x1 + keys[1]
+    x2 = x2 + keys[2] + jnp.asarray(i + 1, jnp.uint32)
+    return (x1, x2), (keys[1], keys[2], keys[0]), (rotations[1], rotations[0])
+
+
 def threefry2x32_unrolled(key1: Array, key2: Array, x1: Array, x2: Array) -> tuple[Array, Array]:
     """Threefry-2x32 with 20 rounds (Salmon et al., 2011), as JAX computes it, without a loop.
 
@@ -50,35 +69,16 @@ def threefry2x32_unrolled(key1: Array, key2: Array, x1: Array, x2: Array) -> tup
 
     The two hashed words, each of the counters' shape.
     """
-    keys = (key1, key2, key1 ^ key2 ^ _KEY_PARITY)
-    x1, x2 = x1 + keys[0], x2 + keys[1]
-    for block in range(5):
-        for rotation in _ROTATIONS[block % 2]:
-            x1 = x1 + x2
-            x2 = _rotate_left(x2, rotation) ^ x1
-        # Key injection after every four rounds: the key schedule rotates by one word each time.
-        x1 = x1 + keys[(block + 1) % 3]
-        x2 = x2 + keys[(block + 2) % 3] + np.uint32(block + 1)
-    return x1, x2
+    state = _initial_state(key1, key2, x1, x2, _ROTATIONS)
+    for i in range(5):
+        state = _block(i, state)
+    return state[0]
 
 
 def _threefry2x32_rolled(key1: Array, key2: Array, x1: Array, x2: Array) -> tuple[Array, Array]:
     """The same hash as a loop over its five blocks of rounds, as JAX lowers it on CPU."""
-    keys = (key1, key2, key1 ^ key2 ^ _KEY_PARITY)
     rotations = tuple(jnp.asarray(r, jnp.uint32) for r in _ROTATIONS)
-
-    def block(i, state):
-        (x1, x2), keys, rotations = state
-        for r in range(4):
-            x1 = x1 + x2
-            x2 = _rotate_left(x2, rotations[0][r]) ^ x1
-        x1 = x1 + keys[1]
-        x2 = x2 + keys[2] + (i + 1).astype(jnp.uint32)
-        return (x1, x2), (keys[1], keys[2], keys[0]), (rotations[1], rotations[0])
-
-    state = ((x1 + keys[0], x2 + keys[1]), keys, rotations)
-    words, _, _ = lax.fori_loop(0, 5, block, state)
-    return words
+    return lax.fori_loop(0, 5, _block, _initial_state(key1, key2, x1, x2, rotations))[0]
 
 
 # Below this many counters, a hash is key arithmetic (`split`, `fold_in`), not a draw worth
@@ -101,8 +101,8 @@ def _hash_for_lowering(key1: Array, key2: Array, x1: Array, x2: Array) -> tuple[
     return _threefry2x32_rolled(key1, key2, x1, x2)
 
 
-def _unrolled_lowering_parameters() -> Any | None:
-    """Lowering parameters that override Threefry's rule; `None` where this JAX cannot take them.
+def _lowering_parameters() -> Any | None:
+    """Parameters that make `_hash_for_lowering` Threefry's rule; `None` where JAX has no hook.
 
     `Traced.lower(_private_parameters=...)` is how `jax.export` passes its own lowering rules; it
     is not public API, so a JAX without it (or without these classes) lowers as usual: the same
@@ -118,7 +118,7 @@ def _unrolled_lowering_parameters() -> Any | None:
 
 
 # One object for the whole process: it is part of the compilation cache's key.
-_PARAMETERS = _unrolled_lowering_parameters()
+_PARAMETERS = _lowering_parameters()
 
 
 def fuses_threefry() -> bool:
