@@ -1,0 +1,96 @@
+"""Per-device memory of `build_stacked`'s writes on a mesh of forced CPU devices (issue #4's bar).
+
+For each layer, device count and mesh axis type, compiles the per-layer writes of
+`build_stacked(make_layer, keys, jnp.bfloat16, eqx_lean.fsdp(mesh))` and prints, per device, from
+`memory_analysis()`: the stacked shard the write must update in place, the aliased and output
+bytes (equal to it when nothing is copied), and the XLA temporaries against the bar of
+3 x (one layer at construction precision / devices) + 1 MiB. The last column is the same write
+lowered with JAX's own Threefry (a rolled loop on CPU), for comparison. Compiles only: nothing
+is allocated.
+
+    python benchmarks/sharded_writes.py
+"""
+
+import os
+
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType
+
+import eqx_lean
+from eqx_lean import _build, _threefry
+from eqx_lean.bench._models import PRESETS, Block
+
+
+KiB = 2**10
+MiB = 2**20
+
+
+def make_wide(key):
+    """One 16 MiB float32 matrix, plus a bias and a scalar: the layer whose bar was last met."""
+    kw, kb, ks = jax.random.split(key, 3)
+    return {
+        "w": jax.random.normal(kw, (4096, 1024)),
+        "b": jax.random.normal(kb, (1024,)),
+        "s": jax.random.uniform(ks, ()),
+    }
+
+
+def make_block(key):
+    return Block(PRESETS["default"], key=key)
+
+
+def _bytes(n: float) -> str:
+    return f"{n / MiB:.2f} MiB" if n >= MiB else f"{n / KiB:.1f} KiB"
+
+
+def _temps_with_jax_lowering(plan, keys, make_layer) -> list[int]:
+    parameters, _threefry._PARAMETERS = _threefry._PARAMETERS, None
+    try:
+        compiled = _build._compile_writes(plan, keys, make_layer)
+    finally:
+        _threefry._PARAMETERS = parameters
+    return [c.memory_analysis().temp_size_in_bytes for c in compiled]
+
+
+def report(name: str, make_layer, devices: int, axis_type: AxisType) -> None:
+    keys = jax.random.split(jax.random.key(0), 4)
+    mesh = jax.make_mesh((devices,), ("data",), (axis_type,), devices=jax.devices()[:devices])
+    plan = _build._Plan.make(make_layer, keys, jnp.bfloat16, eqx_lean.fsdp(mesh), None)
+    layer_bytes = sum(s.size * s.dtype.itemsize for s in plan.layout.structs)
+    bound = 3 * layer_bytes / devices + MiB
+    compiled = _build._compile_writes(plan, keys, make_layer)
+    jax_temps = _temps_with_jax_lowering(plan, keys, make_layer)
+    for group, executable, jax_temp in zip(plan.groups, compiled, jax_temps, strict=True):
+        analysis = executable.memory_analysis()
+        shard = sum(
+            int(np.prod(s.sharding.shard_shape(s.shape))) * s.dtype.itemsize
+            for s in plan.buffer_structs(group)
+        )
+        met = analysis.alias_size_in_bytes == shard and analysis.temp_size_in_bytes <= bound
+        print(
+            f"| {name} | {devices} | {axis_type.name} | {len(group.leaves)} | {_bytes(shard)} "
+            f"| {_bytes(analysis.alias_size_in_bytes)} | {_bytes(analysis.output_size_in_bytes)} "
+            f"| {_bytes(analysis.temp_size_in_bytes)} | {_bytes(bound)} | {'yes' if met else 'NO'} "
+            f"| {_bytes(jax_temp)} |"
+        )
+
+
+def main() -> None:
+    print(
+        "| layer | devices | axes | leaves | stacked shard | alias | output | XLA temp | bar "
+        "| met | temp, JAX's Threefry |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name, make_layer in (("wide", make_wide), ("block", make_block)):
+        for devices in (1, 2, 4, 8):
+            for axis_type in (AxisType.Auto, AxisType.Explicit):
+                report(name, make_layer, devices, axis_type)
+
+
+if __name__ == "__main__":
+    main()
