@@ -23,21 +23,11 @@ from jax.sharding import AxisType
 
 import eqx_lean
 from eqx_lean import _build, _threefry
-from eqx_lean.bench._models import PRESETS, Block
+from eqx_lean.bench._models import PRESETS, Block, wide_layer
 
 
 KiB = 2**10
 MiB = 2**20
-
-
-def make_wide(key):
-    """One 16 MiB float32 matrix, plus a bias and a scalar: the layer whose bar was last met."""
-    kw, kb, ks = jax.random.split(key, 3)
-    return {
-        "w": jax.random.normal(kw, (4096, 1024)),
-        "b": jax.random.normal(kb, (1024,)),
-        "s": jax.random.uniform(ks, ()),
-    }
 
 
 def make_block(key):
@@ -86,7 +76,7 @@ def main() -> None:
         "| met | temp, JAX's Threefry |"
     )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for name, make_layer in (("wide", make_wide), ("block", make_block)):
+    for name, make_layer in (("wide", wide_layer), ("block", make_block)):
         for devices in (1, 2, 4, 8):
             for axis_type in (AxisType.Auto, AxisType.Explicit):
                 report(name, make_layer, devices, axis_type)

@@ -28,7 +28,9 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 import eqx_lean
 from eqx_lean import _build
-from eqx_lean.bench._models import Block, BlockConfig
+
+# `make_wide` is `make_small` with a 16 MiB float32 matrix: big enough for temp bounds to bite.
+from eqx_lean.bench._models import Block, BlockConfig, wide_layer as make_wide
 
 
 # --- layers under test ------------------------------------------------------------------------
@@ -51,16 +53,6 @@ def make_small(key):
     return {
         "w": jax.random.normal(kw, (16, 8)),
         "b": jax.random.normal(kb, (8,)),
-        "s": jax.random.uniform(ks, ()),
-    }
-
-
-def make_wide(key):
-    """Like `make_small`, with a 16 MiB float32 matrix: big enough for temp bounds to bite."""
-    kw, kb, ks = jax.random.split(key, 3)
-    return {
-        "w": jax.random.normal(kw, (4096, 1024)),
-        "b": jax.random.normal(kb, (1024,)),
         "s": jax.random.uniform(ks, ()),
     }
 

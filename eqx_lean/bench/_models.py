@@ -1,4 +1,4 @@
-"""The layers the benchmark builds: Mistral-shaped decoder blocks and embeddings."""
+"""The layers the benchmarks build: Mistral-shaped decoder blocks, embeddings, one wide leaf."""
 
 import dataclasses
 
@@ -89,3 +89,17 @@ class Embeddings(eqx.Module):
         self.embed = eqx.nn.Embedding(config.vocab, config.dim, key=ke)
         self.norm = eqx.nn.RMSNorm(config.dim)
         self.lm_head = eqx.nn.Linear(config.dim, config.vocab, use_bias=False, key=kh)
+
+
+def wide_layer(key: PRNGKeyArray) -> dict[str, jax.Array]:
+    """A layer that is one big leaf: a 16 MiB float32 matrix (4096 x 1024), a bias and a scalar.
+
+    With JAX's own Threefry lowering on CPU, writing it needs 4x the matrix in temporaries, the
+    case sharded construction's bar was last met on (`benchmarks/sharded_writes.py`).
+    """
+    kw, kb, ks = jax.random.split(key, 3)
+    return {
+        "w": jax.random.normal(kw, (4096, 1024)),
+        "b": jax.random.normal(kb, (1024,)),
+        "s": jax.random.uniform(ks, ()),
+    }
