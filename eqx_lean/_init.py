@@ -25,6 +25,8 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import Array, PRNGKeyArray
 
+from ._core import check_spec
+
 
 # The tile size fixes the values: changing it changes every tensor drawn by `chunked`. 2**18
 # elements (1 MiB in float32, a 512 x 512 tile of a matrix) keeps a tile's temporaries small
@@ -476,24 +478,8 @@ def _check_sharding(out_sharding: Any, shape: tuple[int, ...]) -> NamedSharding 
             "`out_sharding` must be a `jax.sharding.NamedSharding`, a `PartitionSpec` (with a mesh "
             f"set) or None; got {type(out_sharding).__name__}."
         )
-    if len(spec) > len(shape):
-        raise ValueError(
-            f"`out_sharding` has a spec {spec} with more entries than `shape` {shape} has axes."
-        )
-    for axis, entry in enumerate(spec):
-        names = _mesh_axes(entry)
-        unknown = [n for n in names if n not in mesh.shape]
-        if unknown:
-            raise ValueError(
-                f"`out_sharding` names mesh axes {unknown} that the mesh (axes "
-                f"{tuple(mesh.shape)}) does not have."
-            )
-        shards = math.prod(mesh.shape[n] for n in names)
-        if shape[axis] % shards:
-            raise ValueError(
-                f"`out_sharding` {spec} splits axis {axis} of `shape` {shape} into {shards} "
-                f"shards, which does not divide its length {shape[axis]}."
-            )
+    # The package's one validator and error format; `out_sharding` is for the whole tensor.
+    check_spec((), shape, spec, mesh, argument="out_sharding", per_layer=False)
     if isinstance(out_sharding, NamedSharding):
         return out_sharding
     return NamedSharding(mesh, spec)

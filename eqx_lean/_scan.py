@@ -14,7 +14,8 @@ from jax import lax
 from jax.custom_derivatives import SymbolicZero
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
-from ._build import _num_layers_of_stack
+from . import _platform
+from ._core import num_layers_of_stack
 
 
 Carry = TypeVar("Carry")
@@ -130,6 +131,26 @@ def _check_xs(xs: Any, num_layers: int) -> None:
             )
 
 
+def _check_stacked(stacked: Any) -> None:
+    """Refuses a Python sequence of separate layers, the usual mistake, with what to do."""
+    if not (isinstance(stacked, list | tuple) and stacked):
+        return
+    if not all(isinstance(x, eqx.Module) for x in stacked):
+        return
+    if isinstance(stacked, tuple):
+        # A tuple of stacked modules is a valid pytree; a tuple of separate layers is not.
+        try:
+            num_layers_of_stack(eqx.filter(stacked, eqx.is_array))
+            return
+        except ValueError:
+            pass
+    raise TypeError(
+        f"`stacked` must be one module whose array leaves carry a leading layer axis; got a "
+        f"{type(stacked).__name__} of {len(stacked)} separate layers. Stack them first with "
+        "`eqx_lean.stack(layers)` (or build them with `eqx_lean.build_stacked`)."
+    )
+
+
 def _layer_step(
     static: Any, call: Callable[..., tuple[Any, Any]], carry_name: str
 ) -> Callable[[Any, Any, Any], tuple[Any, Any]]:
@@ -240,11 +261,12 @@ def _scan_by_index(
     on it out of the loop: on CPU, where slicing bfloat16 is done in float32, that is a float32
     copy of the whole stack (2x its size in temporaries). Tying the stack to the loop index
     with an optimisation barrier keeps every conversion inside the loop, one layer at a time.
+    The barrier is lowered on CPU only (`_platform.barrier_on_cpu`), where it was measured.
     """
 
     def body(state: tuple[Any, Array], x: Any) -> tuple[tuple[Any, Array], Any]:
         carry, i = state
-        layers, at = lax.optimization_barrier((dynamic, i))
+        layers, at = _platform.barrier_on_cpu((dynamic, i))
         layer = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, at, keepdims=False), layers)
         carry, y = step(layer, carry, x)
         return (carry, i + 1), y
@@ -292,6 +314,17 @@ def _layer_slice(tree: Any) -> Any:
     return jax.tree.map(lambda a: lax.index_in_dim(a, 0, keepdims=False), tree)
 
 
+def _empty_scan(step: Callable[..., tuple[Any, Any]], dynamic: Any, carry: Any, xs: Any) -> Any:
+    """What `lax.scan` and a Python loop give for zero layers: the carry, and empty `ys`."""
+
+    def one_layer(leaf: Any) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(jnp.shape(leaf)[1:], jnp.result_type(leaf))
+
+    layer, x = jax.tree.map(one_layer, (dynamic, xs))
+    _, ys = jax.eval_shape(step, layer, carry, x)
+    return carry, jax.tree.map(lambda y: jnp.zeros((0, *y.shape), y.dtype), ys)
+
+
 def _hoist_closure(
     step: Callable[[Any, Any, Any], tuple[Any, Any]], dynamic: Any, carry: Any, xs: Any
 ) -> tuple[Callable[[list[Array], Any, Any, Any], tuple[Any, Any]], list[Array]]:
@@ -323,9 +356,12 @@ def _scan(
     carry_name: str,
 ) -> tuple[Any, Any]:
     _check_remat(remat)
+    _check_stacked(stacked)
     dynamic, static = eqx.partition(stacked, eqx.is_array)
-    num_layers = _num_layers_of_stack(dynamic)
+    num_layers = num_layers_of_stack(dynamic)
     _check_xs(xs, num_layers)
+    if num_layers == 0:
+        return _empty_scan(_layer_step(static, call, carry_name), dynamic, carry, xs)
     step_with, consts = _hoist_closure(_layer_step(static, call, carry_name), dynamic, carry, xs)
     if remat == "nested":
         remat = NestedRemat()
@@ -489,7 +525,7 @@ def fold(
     keys = None
     if key is not None:
         dynamic, _ = eqx.partition(stacked, eqx.is_array)
-        keys = jax.random.split(key, _num_layers_of_stack(dynamic))
+        keys = jax.random.split(key, num_layers_of_stack(dynamic))
 
     def step(layer: Any, carry: Any, layer_key: Any) -> tuple[Any, None]:
         key_kwarg = {} if layer_key is None else {"key": layer_key}
