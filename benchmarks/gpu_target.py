@@ -4,8 +4,10 @@ eqx_lean's platform tricks (Threefry lowered unrolled, loop-invariant code motio
 the writes, floating rows written as unsigned-integer bits, scan's optimisation barrier) were
 measured on XLA:CPU. This script compiles each program twice, for this process's CPU and for a
 compile-only H100 (`jax.experimental.topologies` with XLA's `h100_sxm.txtpb` device
-description, `benchmarks/data/`), and prints XLA's `memory_analysis()`: temporary bytes, output
-bytes, and the compile time. Nothing runs: the H100 figures are XLA's plan, not a measured peak.
+description, `benchmarks/data/`), and prints XLA's `memory_analysis()` (temporary and output
+bytes), the compile time, and a hash of the optimised program (equal hashes: the same compiled
+program, so a trick that leaves it unchanged does nothing there). Nothing runs: the H100 figures
+are XLA's plan, not a measured peak.
 
 The H100 part runs in a subprocess with a separate venv holding `jax[cuda12]` (the CUDA plugin
 is what compiles for a GPU; no GPU is needed):
@@ -22,8 +24,10 @@ in this process).
 import argparse
 import contextlib
 import ctypes
+import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -148,24 +152,46 @@ def _lower_build_writes(
     return lowered
 
 
-def _compile(lowered: Any) -> dict[str, float]:
+def _program_text(compiled: Any) -> str:
+    """The optimised HLO without what differs between identical programs.
+
+    Dropped: the module header (a fingerprint), the source-location tables, metadata and
+    frontend attributes; instruction names are numbered in order of appearance.
+    """
+    lines = compiled.as_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(("%", "ENTRY")))
+    text = "\n".join(lines[start:])
+    text = re.sub(r", (metadata|frontend_attributes)=\{[^}]*\}", "", text)
+    names: dict[str, str] = {}
+    text = re.sub(r"%[\w.\-]+", lambda m: names.setdefault(m.group(0), f"%{len(names)}"), text)
+    return re.sub(r"\b(constant|param|arg_tuple)[\w.]*", r"\1", text)
+
+
+def _compile(lowered: Any) -> dict[str, Any]:
     start = time.perf_counter()
-    analysis = lowered.compile().memory_analysis()
+    compiled = lowered.compile()
     seconds = time.perf_counter() - start
+    analysis = compiled.memory_analysis()
+    text = _program_text(compiled)
     return {
         "temp": analysis.temp_size_in_bytes,
         "out": analysis.output_size_in_bytes,
         "seconds": seconds,
+        "program": hashlib.sha1(text.encode()).hexdigest()[:8],
+        "loops": len(re.findall(r" while\(", text)),
     }
 
 
-def _compile_all(lowered: list[Any]) -> dict[str, float]:
+def _compile_all(lowered: list[Any]) -> dict[str, Any]:
     """The groups' writes run one after another: the largest temporaries bound the build."""
     figures = [_compile(x) for x in lowered]
+    programs = "".join(f["program"] for f in figures)
     return {
         "temp": max(f["temp"] for f in figures),
         "out": sum(f["out"] for f in figures),
         "seconds": sum(f["seconds"] for f in figures),
+        "program": hashlib.sha1(programs.encode()).hexdigest()[:8],
+        "loops": sum(f["loops"] for f in figures),
     }
 
 
@@ -198,7 +224,7 @@ def _models() -> dict[str, Callable[[Any], Any]]:
     return {"default block": default_block, "orthogonal block": orthogonal_block}
 
 
-def _figures(sharding: Any) -> dict[str, dict[str, float]]:
+def _figures(sharding: Any) -> dict[str, dict[str, Any]]:
     """Every figure, compiled for the device of `sharding`; keyed by the table's row names."""
     import equinox as eqx
     import jax
@@ -218,9 +244,9 @@ def _figures(sharding: Any) -> dict[str, dict[str, float]]:
         floating = eqx.is_inexact_array
         return jax.tree.map(lambda x: x.astype(bf16) if floating(x) else x, tree)
 
-    results: dict[str, dict[str, float]] = {}
+    results: dict[str, dict[str, Any]] = {}
 
-    def record(name: str, compute: Callable[[], dict[str, float]]) -> None:
+    def record(name: str, compute: Callable[[], dict[str, Any]]) -> None:
         results[name] = compute()
         print(f"  {name}: {results[name]}", file=sys.stderr, flush=True)
 
@@ -314,20 +340,27 @@ def _seconds(n: float | None) -> str:
     return "—" if n is None else f"{n:.2f} s"
 
 
-def _table(cpu: dict[str, dict[str, float]], h100: dict[str, Any] | str) -> str:
+def _program(figures: dict[str, Any]) -> str:
+    if "program" not in figures:
+        return "—"
+    return f"`{figures['program']}`, {figures['loops']} loops"
+
+
+def _table(cpu: dict[str, dict[str, Any]], h100: dict[str, Any] | str) -> str:
     gpu = h100["figures"] if isinstance(h100, dict) else {}
     lines = [
         "| figure | temp, CPU | temp, H100 | output, CPU | output, H100 "
-        "| compile, CPU | compile, H100 |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| compile, CPU | compile, H100 | program, CPU | program, H100 |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     if isinstance(h100, str):
-        lines.append(f"| H100 target {h100} | | | | | | |")
+        lines.append(f"| H100 target {h100} | | | | | | | | |")
     for name, c in cpu.items():
         g = gpu.get(name, {})
         lines.append(
             f"| {name} | {_mib(c['temp'])} | {_mib(g.get('temp'))} | {_mib(c['out'])} "
-            f"| {_mib(g.get('out'))} | {_seconds(c['seconds'])} | {_seconds(g.get('seconds'))} |"
+            f"| {_mib(g.get('out'))} | {_seconds(c['seconds'])} | {_seconds(g.get('seconds'))} "
+            f"| {_program(c)} | {_program(g)} |"
         )
     return "\n".join(lines)
 
@@ -404,7 +437,11 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"\nCPU: {jax.devices('cpu')[0].device_kind}, jax {jax.__version__}; H100 target: {where}"
     )
-    print("XLA temporaries: largest over a build's groups of writes; compile: summed.\n")
+    print(
+        "XLA temporaries: the largest of a build's groups of writes; compile: summed; program: a "
+        "hash of the optimised HLO (names, metadata and source locations left out), equal for "
+        "identical compiled programs, and its number of while loops.\n"
+    )
     print(_table(cpu, h100))
     print()
     print(loops)
