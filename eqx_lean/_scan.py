@@ -15,6 +15,7 @@ from jax.custom_derivatives import SymbolicZero
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
 from ._build import _num_layers_of_stack
+from ._gather import Gather, gather_targets, gathered_step, tie_gradient_shardings
 
 
 Carry = TypeVar("Carry")
@@ -321,12 +322,16 @@ def _scan(
     remat: Remat,
     unroll: int | bool,
     carry_name: str,
+    gather: Gather = True,
 ) -> tuple[Any, Any]:
     _check_remat(remat)
     dynamic, static = eqx.partition(stacked, eqx.is_array)
     num_layers = _num_layers_of_stack(dynamic)
     _check_xs(xs, num_layers)
-    step_with, consts = _hoist_closure(_layer_step(static, call, carry_name), dynamic, carry, xs)
+    targets = gather_targets(dynamic, gather)
+    dynamic = tie_gradient_shardings(dynamic, targets)
+    step = gathered_step(_layer_step(static, call, carry_name), targets)
+    step_with, consts = _hoist_closure(step, dynamic, carry, xs)
     if remat == "nested":
         remat = NestedRemat()
 
@@ -357,6 +362,7 @@ def scan(
     call: Callable[[Any, Carry, Any], tuple[Carry, Y]],
     remat: Remat = None,
     unroll: int | bool = 1,
+    gather: Gather = True,
 ) -> tuple[Carry, Y]:
     """Runs the layers of a stacked module one after another, threading a carry through them.
 
@@ -414,7 +420,7 @@ def scan(
     `(carry, ys)`: the carry after the last layer, and the per-layer outputs `y_i` stacked on a
     new leading axis of length `L`.
     """
-    return _scan(stacked, carry, xs, call, remat, unroll, carry_name="carry")
+    return _scan(stacked, carry, xs, call, remat, unroll, carry_name="carry", gather=gather)
 
 
 def _check_call_kwargs(kwargs: Mapping[str, Any] | None, key: Any) -> dict[str, Any]:
@@ -447,6 +453,7 @@ def fold(
     remat: Remat = None,
     unroll: int | bool = 1,
     key: PRNGKeyArray | None = None,
+    gather: Gather = True,
 ) -> Carry:
     """Applies the layers of a stacked module one after another: `x = layer_i(x, *args)`.
 
@@ -495,5 +502,5 @@ def fold(
         key_kwarg = {} if layer_key is None else {"key": layer_key}
         return apply(layer, carry, *args, **key_kwarg, **layer_kwargs), None
 
-    out, _ = _scan(stacked, x, keys, step, remat, unroll, carry_name="x")
+    out, _ = _scan(stacked, x, keys, step, remat, unroll, carry_name="x", gather=gather)
     return out
