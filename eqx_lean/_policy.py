@@ -224,8 +224,14 @@ def fsdp(mesh: Any, axis: str | tuple[str, ...] = "data") -> ShardingRule:
     """A sharding rule that shards each leaf's largest divisible dimension over `axis`.
 
     For `build_stacked(..., sharding=eqx_lean.fsdp(mesh))`: every leaf of one layer is split
-    along its largest dimension whose size the mesh axis divides (the first such, on ties), and
-    replicated where none does (norms, biases, scalars).
+    along its largest dimension whose size the mesh axis divides (the first such, on ties).
+    Vectors are no exception: a norm's weight or a bias whose width the axis divides is
+    sharded like any matrix (on 8 devices, a 1024-wide norm is split into 8 pieces of 128).
+    A leaf is replicated only where no dimension divides: scalars, and vectors whose width the
+    axis does not divide. With one device on `axis`, every leaf is replicated.
+
+    [`eqx_lean.fold`][] and [`eqx_lean.scan`][] run such a stack as ZeRO-3 does, gathering
+    each layer just before it runs.
 
     **Arguments:**
 
