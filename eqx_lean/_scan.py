@@ -406,7 +406,9 @@ def scan(
     reduce-scatter), and the gathered parameters are never saved for the backward pass,
     whatever `remat` is: the backward pass gathers each layer again. Differentiating eagerly
     (outside `jax.jit`) on Explicit axes needs the mesh as context, `with jax.set_mesh(mesh):`,
-    as JAX requires of any eager gradient there.
+    as JAX requires of any eager gradient there. With Auto axes, placing the gradient needs a
+    custom VJP, so forward-mode differentiation (`jax.jvp`, `jax.jacfwd`) with respect to the
+    stack's own parameters needs `gather=False`.
 
     **Arguments:**
 
