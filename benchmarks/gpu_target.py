@@ -22,7 +22,6 @@ in this process).
 """
 
 import argparse
-import contextlib
 import ctypes
 import hashlib
 import json
@@ -82,74 +81,38 @@ def _lower_build_writes(
 ) -> list[Any]:
     """Lowers `build_stacked`'s per-group writes, each CPU trick switched on or off.
 
-    The one place where this script uses eqx_lean internals (`_build._Plan`, `_build._Group`,
-    `_build._write_layers`, `_build._write_layer`, `_build.update_rows`, `_threefry._PARAMETERS`):
-    switch it to the new core's API in one go.
+    The one place where this script uses eqx_lean internals, through the documented internal
+    module `eqx_lean._core` (`plan_build`, `Tricks`, `lower_writes`).
 
     **Arguments:**
 
     - `make_layer`, `dtype`: as for `eqx_lean.build_stacked`.
-    - `keys_struct`: a `ShapeDtypeStruct` of the keys, `(num_layers,)` typed keys, carrying
-        `sharding`.
+    - `keys_struct`: a `ShapeDtypeStruct` of the keys, `(num_layers,)` typed keys.
     - `sharding`: the single-device `Sharding` of every buffer, or `None` where `platforms` is
         given (lowering only).
     - `fused`: lower Threefry unrolled (eqx_lean's override) rather than with JAX's rule.
     - `licm_off`: compile with `while-loop-invariant-code-motion` disabled.
-    - `bit_writes`: write floating rows as unsigned-integer bits (`update_rows`); otherwise a
-        plain `dynamic_update_slice` of the cast rows.
-    - `loop`: a `fori_loop` over a run of layers (what `build_stacked` compiles), or one layer
-        per call.
+    - `bit_writes`: write floating rows as unsigned-integer bits.
+    - `loop`: a `fori_loop` over a run of layers (what `build_stacked` compiles for CPU), or one
+        layer per call (what it compiles elsewhere).
     - `platforms`: lower for these platforms (`lowering_platforms`) instead of the buffers'.
 
     **Returns:**
 
     One `jax.stages.Lowered` per group of leaves, ready for `.compile()`.
     """
-    from unittest import mock
-
     import jax
-    import jax.numpy as jnp
-    from jax import lax
 
-    from eqx_lean import _build, _threefry
+    from eqx_lean import _core
 
     # The plan only reads the keys' shape and dtype; it wants a concrete array.
     keys = jax.random.split(jax.random.key(0), keys_struct.shape[0])
     assert keys.dtype == keys_struct.dtype, (keys.dtype, keys_struct.dtype)
-    plan = _build._Plan.make(make_layer, keys, dtype, None, None)
-    index = jax.ShapeDtypeStruct((), jnp.int32, weak_type=True, sharding=sharding)
-    options = {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"} if licm_off else None
-
-    def plain_update_rows(buffer: Any, value: Any, start: Any) -> Any:
-        return lax.dynamic_update_slice_in_dim(buffer, value.astype(buffer.dtype), start, 0)
-
-    def write_layers(*args: Any) -> Any:  # a fresh function: no trace cached from another variant
-        return _build._write_layers(*args) if loop else _build._write_layer(*args)
-
-    static = (4, 5, 6) if loop else (3, 4, 5)
-    write = jax.jit(write_layers, static_argnums=static, donate_argnums=0, compiler_options=options)
-    bounds = (index, index) if loop else (index,)
-    lower_kwargs: dict[str, Any] = {}
-    if platforms is not None:
-        lower_kwargs["lowering_platforms"] = platforms
-    if fused:
-        assert _threefry._PARAMETERS is not None, "this JAX cannot override Threefry's lowering"
-        lower_kwargs["_private_parameters"] = _threefry._PARAMETERS
-    patch = (
-        contextlib.nullcontext()
-        if bit_writes
-        else mock.patch.object(_build, "update_rows", plain_update_rows)
+    plan = _core.plan_build(make_layer, keys, dtype, sharding)
+    tricks = _core.Tricks(
+        fused_threefry=fused, licm_off=licm_off, bit_writes=bit_writes, layer_runs=loop
     )
-    lowered = []
-    with patch:
-        for group in plan.groups:
-            buffers = tuple(
-                jax.ShapeDtypeStruct(s.shape, s.dtype, weak_type=s.weak_type, sharding=sharding)
-                for s in plan.buffer_structs(group)
-            )
-            traced = write.trace(buffers, keys_struct, *bounds, make_layer, plan.signature, group)
-            lowered.append(traced.lower(**lower_kwargs))
-    return lowered
+    return _core.lower_writes(plan, tricks=tricks, lowering_platforms=platforms)
 
 
 def _program_text(compiled: Any) -> str:

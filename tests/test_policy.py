@@ -709,6 +709,24 @@ def test_error_non_named_sharding(eight):
 # Errors that one device can show run here, in the test process.
 
 
+def test_fsdp_shards_norms_whose_width_the_axis_divides():
+    """What `fsdp`'s docstring says: vectors (norms, biases) are sharded like matrices when the
+    axis divides their width; only leaves with no divisible dimension are replicated."""
+    eight = eqx_lean.fsdp(jax.sharding.AbstractMesh((8,), ("data",)))  # no devices needed
+
+    def spec(shape: tuple[int, ...], rule: Any = eight) -> P:
+        return rule((), jax.ShapeDtypeStruct(shape, jnp.bfloat16)).spec
+
+    assert spec((1024,)) == P("data")  # a 1024-wide norm on 8 devices: 8 pieces of 128
+    assert spec((12,)) == P()  # a width 8 does not divide: replicated
+    assert spec(()) == P()  # scalars: replicated
+    assert spec((12, 1024)) == P(None, "data")  # the largest divisible dimension
+    assert spec((1024, 1024)) == P("data", None)  # the first of equal ones
+    assert spec((16, 12)) == P("data", None)  # the only divisible one, though not the largest
+    one_device = eqx_lean.fsdp(jax.sharding.AbstractMesh((1,), ("data",)))
+    assert spec((1024,), one_device) == spec((1024, 1024), one_device) == P()
+
+
 @pytest.fixture(scope="module")
 def one_device_mesh() -> Mesh:
     return jax.make_mesh((1,), ("data",), (AxisType.Auto,), devices=jax.devices()[:1])

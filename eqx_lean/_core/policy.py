@@ -161,7 +161,7 @@ def check_spec(
     where = f"leaf {where} of shape {tuple(shape)}" if where else f"shape {tuple(shape)}"
     where = f"`{argument}`: {where} with spec {spec}"
     if len(spec) > len(shape):
-        if per_layer and len(spec) == len(shape) + 1:
+        if per_layer and len(spec) == len(shape) + 1 and argument == "sharding":
             raise ValueError(
                 f"{where} names one more dimension than the leaf has. Since eqx_lean 0.2.0 "
                 "`sharding` is per layer everywhere (as in `build_stacked`): the spec describes "
@@ -169,7 +169,8 @@ def check_spec(
                 "the spec; to shard the layer axis itself (pipeline stages), pass `layer_axis=` "
                 "to `allocate_stacked`, `load_stacked` or `load_tensors`."
             )
-        raise ValueError(f"{where} names more dimensions than the leaf has.")
+        layer = " (one layer's leaf, without the layer axis)" if per_layer else ""
+        raise ValueError(f"{where} names more dimensions than the leaf{layer} has.")
     seen: set[str] = set()
     for size, axes in zip(shape, spec, strict=False):
         for name in axis_names(axes):
@@ -379,9 +380,14 @@ def fsdp(mesh: Any, axis: str | tuple[str, ...] = "data") -> ShardingRule:
 
     For `build_stacked(..., sharding=eqx_lean.fsdp(mesh))` and every other function that takes
     `sharding=`: every leaf of one layer is split along its largest dimension whose size the
-    mesh axis divides (the first such, on ties), and replicated where none does. That includes
-    vectors: a norm or bias whose width the mesh axis divides is sharded too; scalars and
-    widths it does not divide are replicated.
+    mesh axis divides (the first such, on ties). Vectors are no exception: a norm's weight or a
+    bias whose width the axis divides is sharded like any matrix (on 8 devices, a 1024-wide norm
+    is split into 8 pieces of 128). A leaf is replicated only where no dimension divides:
+    scalars, and vectors whose width the axis does not divide. With one device on `axis`, every
+    leaf is replicated.
+
+    [`eqx_lean.fold`][] and [`eqx_lean.scan`][] run such a stack as ZeRO-3 does, gathering
+    each layer just before it runs.
 
     **Arguments:**
 
