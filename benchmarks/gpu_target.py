@@ -58,12 +58,15 @@ class Tricks(NamedTuple):
 # One write per variant: every CPU trick on (what eqx_lean compiles on CPU today), each one off
 # in turn, all off (JAX's and XLA's defaults), and one layer per call instead of a loop.
 WRITE_VARIANTS = {
-    "all tricks (CPU today)": Tricks(fused=True, licm_off=True, bit_writes=True),
+    "all tricks (what build_stacked compiles for CPU)": Tricks(True, True, True),
     "(a) JAX's Threefry lowering": Tricks(fused=False, licm_off=True, bit_writes=True),
     "(b) LICM enabled": Tricks(fused=True, licm_off=False, bit_writes=True),
     "(c) no bit writes": Tricks(fused=True, licm_off=True, bit_writes=False),
     "no tricks": Tricks(fused=False, licm_off=False, bit_writes=False),
     "all tricks, one layer per call (no loop)": Tricks(True, True, True, loop=False),
+    "no tricks, one layer per call (what build_stacked compiles off CPU)": Tricks(
+        False, False, False, loop=False
+    ),
 }
 
 
