@@ -21,7 +21,7 @@ from test_mistral import CONFIGS, hf_logits, hf_model, max_diff, tokens
 
 import examples.mistral7b.train as train_module
 from examples.mistral7b import MistralConfig, init, load_hf
-from examples.mistral7b.finetune import adamw, make_lora_step, step_memory
+from examples.mistral7b.finetune import make_lora_step, step_memory
 from examples.mistral7b.hf import abstract_model
 from examples.mistral7b.lora import (
     TARGETS,
@@ -353,7 +353,7 @@ def test_first_five_adamw_losses_match_peft_and_torch_adamw(tmp_path):
 
     model = load_adapters(load_hf(base, dtype=jnp.float32), tmp_path / "peft")
     adapters, frozen = eqx.partition(model, lora_filter(model))
-    optimizer = adamw(lr, weight_decay)
+    optimizer = train_module.adamw(lr, weight_decay)
     opt_state = optimizer.init(adapters)
     step = make_lora_step(optimizer, remat=True)
     losses = []

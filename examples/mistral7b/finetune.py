@@ -22,14 +22,7 @@ from .config import MistralConfig
 from .data import batches
 from .lora import LoraConfig, add_lora, lora_filter
 from .model import Mistral, init
-from .train import _import_optax, next_token_loss
-
-
-def adamw(learning_rate: float, weight_decay: float = 0.0) -> Any:
-    """optax AdamW with torch's conventions (betas 0.9/0.999, eps 1e-8 added to the root,
-    decoupled weight decay scaled by the learning rate), as `torch.optim.AdamW`."""
-    optax = _import_optax()
-    return optax.adamw(learning_rate, b1=0.9, b2=0.999, eps=1e-8, weight_decay=weight_decay)
+from .train import _import_optax, adamw, next_token_loss
 
 
 def make_lora_step(optimizer: Any, *, remat: bool = True) -> jax.stages.Wrapped:
@@ -99,7 +92,7 @@ def finetune(
     init_key, dropout_key = jax.random.split(key)
     model = add_lora(model, lora_config, key=init_key)
     adapters, frozen = eqx.partition(model, lora_filter(model))
-    optimizer = adamw(settings.learning_rate, settings.weight_decay)
+    optimizer = adamw(settings.learning_rate, weight_decay=settings.weight_decay)
     opt_state = optimizer.init(adapters)
     step = make_lora_step(optimizer, remat=settings.remat)
     data: Iterator[np.ndarray] = batches(rows, settings.batch_size, seed=settings.seed)
@@ -148,7 +141,7 @@ def step_memory(
     """
     model = eqx.filter_eval_shape(_abstract_lora_model, config, lora_config, dtype)
     adapters, frozen = eqx.partition(model, lora_filter(model))
-    optimizer = adamw(1e-4)
+    optimizer = adamw(1e-4, weight_decay=0.0)
     opt_state = jax.eval_shape(optimizer.init, adapters)
     input_ids = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32)
     step = make_lora_step(optimizer, remat=remat)
