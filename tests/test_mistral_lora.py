@@ -230,8 +230,8 @@ def test_dropout_drops_at_the_rate_and_rescales():
 # --- parity with PEFT -------------------------------------------------------------------------
 
 CASES = [
-    pytest.param("head_dim", ALL, False, id="head_dim-all-targets"),
-    pytest.param("gqa", ["q_proj", "v_proj"], True, id="gqa-qv-rslora", marks=pytest.mark.slow),
+    pytest.param("head_dim", ALL, True, id="head_dim-all-targets-rslora"),
+    pytest.param("gqa", ["q_proj", "v_proj"], False, id="gqa-qv", marks=pytest.mark.slow),
     pytest.param(
         "sliding_window", ["o_proj", "gate_proj", "up_proj", "down_proj"], False,
         id="window-o-mlp", marks=pytest.mark.slow,
@@ -300,9 +300,10 @@ def _our_grads(grads, num_layers: int) -> dict[str, np.ndarray]:
     return out
 
 
-def test_loss_and_adapter_gradients_match_torch_autograd(tmp_path):
-    hf, base = base_checkpoint(tmp_path, "head_dim", seed=5, std=0.05)
-    wrapped = peft_model(hf, r=4, alpha=8, std=0.05)
+@pytest.mark.parametrize(("name", "targets", "rslora"), CASES)
+def test_loss_and_adapter_gradients_match_torch_autograd(name, targets, rslora, tmp_path):
+    hf, base = base_checkpoint(tmp_path, name, seed=5, std=0.05)
+    wrapped = peft_model(hf, r=4, alpha=8, targets=targets, rslora=rslora, std=0.05)
     wrapped.save_pretrained(tmp_path / "peft")
     batch = tokens(6, batch=3, seq=16)
     ids = torch.from_numpy(batch.astype(np.int64))
@@ -321,16 +322,18 @@ def test_loss_and_adapter_gradients_match_torch_autograd(tmp_path):
         ours, grads = jax.jit(jax.value_and_grad(loss_of))(adapters)
     np.testing.assert_allclose(float(ours), loss.item(), rtol=1e-4)
     got = _our_grads(grads, model.config.num_hidden_layers)
-    assert sorted(got) == sorted(expected) and len(got) == 2 * 7 * 2
-    for name, reference in expected.items():
+    num_layers = model.config.num_hidden_layers
+    assert sorted(got) == sorted(expected) and len(got) == 2 * len(targets) * num_layers
+    for tensor, reference in expected.items():
         scale = np.abs(reference).max()
-        assert scale > 0, name
-        assert np.abs(got[name] - reference).max() <= 1e-4 * scale, name
+        assert scale > 0, tensor
+        assert np.abs(got[tensor] - reference).max() <= 1e-4 * scale, tensor
 
 
-def test_first_five_adamw_losses_match_peft_and_torch_adamw(tmp_path):
-    hf, base = base_checkpoint(tmp_path, "head_dim", seed=7, std=0.05)
-    wrapped = peft_model(hf, r=4, alpha=8, std=0.05)
+@pytest.mark.parametrize(("name", "targets", "rslora"), CASES)
+def test_first_five_adamw_losses_match_peft_and_torch_adamw(name, targets, rslora, tmp_path):
+    hf, base = base_checkpoint(tmp_path, name, seed=7, std=0.05)
+    wrapped = peft_model(hf, r=4, alpha=8, targets=targets, rslora=rslora, std=0.05)
     wrapped.save_pretrained(tmp_path / "peft")
     text = train_module.load_text()  # ASCII: every byte is a valid id of the 128-token vocab
     data = train_module.batches(text, batch_size=4, seq_len=24, seed=0)
@@ -365,9 +368,10 @@ def test_first_five_adamw_losses_match_peft_and_torch_adamw(tmp_path):
     np.testing.assert_allclose(losses, expected, rtol=1e-4)
 
 
-def test_merged_checkpoint_gives_peft_logits_in_transformers(tmp_path):
-    hf, base = base_checkpoint(tmp_path, "sliding_window")
-    wrapped = peft_model(hf, r=4, alpha=8, rslora=True)
+@pytest.mark.parametrize(("name", "targets", "rslora"), CASES)
+def test_merged_checkpoint_gives_peft_logits_in_transformers(name, targets, rslora, tmp_path):
+    hf, base = base_checkpoint(tmp_path, name)
+    wrapped = peft_model(hf, r=4, alpha=8, targets=targets, rslora=rslora)
     wrapped.save_pretrained(tmp_path / "peft")
     input_ids = tokens(8, batch=2, seq=16)
     expected = hf_logits(wrapped, input_ids)
