@@ -20,7 +20,7 @@ from safetensors import safe_open
 from test_mistral import CONFIGS, hf_logits, hf_model, max_diff, tokens
 
 import examples.mistral7b.train as train_module
-from examples.mistral7b import MistralConfig, init, load_hf
+from examples.mistral7b import MistralConfig, generate, init, load_hf
 from examples.mistral7b.finetune import make_lora_step, step_memory
 from examples.mistral7b.hf import abstract_model
 from examples.mistral7b.lora import (
@@ -225,6 +225,43 @@ def test_dropout_drops_at_the_rate_and_rescales():
     dropped = out == 0
     assert abs(dropped.mean() - rate) < 0.01
     np.testing.assert_allclose(out[~dropped], np.asarray(x)[~dropped] / (1 - rate), rtol=1e-6)
+
+
+def test_model_dropout_uses_the_key(tmp_path):
+    """With `lora_dropout > 0` a call with a key drops (differently for another key, the same
+    for the same key, through `remat` too); a call without one does not (inference)."""
+    _, base = base_checkpoint(tmp_path)
+    config = LoraConfig(r=4, target_modules=tuple(ALL), lora_dropout=0.5)
+    model = add_lora(load_hf(base, dtype=jnp.float32), config, key=jax.random.key(0))
+    model = randomized(model, 1)
+    input_ids = jnp.asarray(tokens(3, batch=2, seq=12))
+    run = eqx.filter_jit(lambda m, ids, key: m(ids, key=key, remat=True))
+    first = run(model, input_ids, jax.random.key(5))
+    np.testing.assert_array_equal(run(model, input_ids, jax.random.key(5)), first)
+    assert max_diff(run(model, input_ids, jax.random.key(6)), first) > 1e-3
+    assert max_diff(forward(model, input_ids), first) > 1e-3
+
+
+@pytest.mark.slow
+def test_lora_model_generates_like_its_merge(tmp_path):
+    _, base = base_checkpoint(tmp_path, "sliding_window")
+    config = LoraConfig(r=4, target_modules=("q", "v", "down"))
+    model = randomized(add_lora(load_hf(base, dtype=jnp.float32), config, key=jax.random.key(0)), 2)
+    prompts = jnp.asarray(tokens(4, batch=2, seq=4))
+    with jax.default_matmul_precision("highest"):
+        ours, logits = generate(model, prompts, 8, return_logits=True)
+        merged, merged_logits = generate(merge_lora(model), prompts, 8, return_logits=True)
+    assert max_diff(logits, merged_logits) <= 1e-4
+    np.testing.assert_array_equal(ours, merged)
+
+
+def test_adapters_are_added_to_plain_projections_only(tmp_path):
+    _, base = base_checkpoint(tmp_path)
+    model = add_lora(load_hf(base), LoraConfig(target_modules=("q",)), key=jax.random.key(0))
+    with pytest.raises(ValueError, match="already has a LoRA adapter"):
+        add_lora(model, LoraConfig(target_modules=("q",)), key=jax.random.key(1))
+    with pytest.raises(ValueError, match="must have LoRA adapters"):
+        save_adapters(load_hf(base), tmp_path / "none")
 
 
 # --- parity with PEFT -------------------------------------------------------------------------
