@@ -25,7 +25,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import Array, PRNGKeyArray
 
-from ._core import check_spec
+from ._core import axis_names, check_spec
 from ._init_tiles import tiles_of
 
 
@@ -95,14 +95,6 @@ class _AxisPlan:
         )
 
 
-def _mesh_axes(entry: Any) -> tuple[str, ...]:
-    if entry is None:
-        return ()
-    if isinstance(entry, str):
-        return (entry,)
-    return tuple(entry)
-
-
 def _axis_plans(
     shape: tuple[int, ...], tile: tuple[int, ...], sharding: NamedSharding | None
 ) -> tuple[_AxisPlan, ...]:
@@ -110,7 +102,7 @@ def _axis_plans(
     spec = spec + (None,) * (len(shape) - len(spec))
     plans = []
     for length, side, entry in zip(shape, tile, spec, strict=True):
-        mesh_axes = _mesh_axes(entry)
+        mesh_axes = axis_names(entry)
         shards = math.prod(sharding.mesh.shape[a] for a in mesh_axes) if sharding else 1
         plans.append(_AxisPlan(length, side, mesh_axes, shards))
     return tuple(plans)

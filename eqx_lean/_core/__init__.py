@@ -32,6 +32,7 @@ from .policy import (
     KeyPath as KeyPath,
     LayerAxis as LayerAxis,
     ShardingPolicy as ShardingPolicy,
+    axis_names as axis_names,
     check_dtype_policy as check_dtype_policy,
     check_layer_axis as check_layer_axis,
     check_spec as check_spec,
