@@ -1,20 +1,20 @@
 """Kills eqx_lean saves at chosen points, in forked children (a helper of `test_io_save.py`).
 
-Usage: `python tests/save_faults.py SPEC.json`; prints one JSON object per line: first the
-trace of an uninterrupted save (`{"trace": [[when, op, path], ...], "seconds": ...}`), then
-one result per case.
+Usage: `python tests/save_faults.py SPEC.json`. Prints one JSON object per line, one per case:
+first an uninterrupted save (whose `steps` are the trace of every hook call), then the kills.
 
-This process imports eqx_lean but never starts a JAX backend (the models are numpy arrays, so
+This process imports eqx_lean but never starts a JAX backend (the models hold numpy arrays, so
 saving them runs no JAX computation): it can then fork cheaply and safely, once per case. Each
-child copies the layout template (`cp -a`, which keeps hard and symbolic links), saves over
-the target in the copy, and is killed with SIGKILL either by a hook of `eqx_lean._io.fs` at
-its k-th hook call ("before" or "after" an operation) or by this process after a delay. The
-test then checks every copy.
+case is a copy of the layout template (`cp -a`, which keeps hard and symbolic links); a forked
+child saves over the target in the copy and is killed with SIGKILL, either by a hook of
+`eqx_lean._io.fs` at its k-th call ("before" or "after" an operation) or by this process after
+a delay. The test then checks every copy.
 
 SPEC keys: `kind` ("stacked" or "hf"), `model` (a pickle of the new model and, for "stacked",
 its names), `template` (a directory), `target` (relative to it), `cases` (a directory for the
-copies), `steps` (hook calls to kill at: see `select_steps`), `delays` (seconds),
-`no_exchange` (force the fallback without `renameat2`), `save` (the save's keyword arguments).
+copies), `steps` (the hook calls to kill at: see `select_steps`), `delays` (seconds),
+`delay_fractions` (of the uninterrupted save's time), `no_exchange` (force the fallback
+without `renameat2`), `save` (the save's keyword arguments).
 """
 
 import json
@@ -46,14 +46,14 @@ def child(spec: dict, model, world: str, progress: str, kill_at: int | None) -> 
         if spec["no_exchange"]:
             _io.fs._renameat2 = lambda: None  # pyright: ignore[reportAttributeAccessIssue]
         log = os.open(progress, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        start = time.perf_counter()
         count = 0
 
         def hook(when: str, op: str, paths: tuple[str, ...]) -> None:
             nonlocal count
             count += 1
-            os.write(
-                log, (json.dumps([when, op, os.path.relpath(paths[0], world)]) + "\n").encode()
-            )
+            step = [when, op, os.path.relpath(paths[0], world), time.perf_counter() - start]
+            os.write(log, (json.dumps(step) + "\n").encode())
             if count == kill_at:
                 os.kill(os.getpid(), signal.SIGKILL)
 
@@ -121,7 +121,9 @@ def main() -> None:
     print(json.dumps(trace), flush=True)
     for k in select_steps(trace["steps"], spec["steps"]):
         print(json.dumps(run_case(spec, model, f"step-{k}", k, None)), flush=True)
-    for i, delay in enumerate(spec["delays"]):
+    delays = list(spec["delays"])
+    delays += [f * trace["seconds"] for f in spec.get("delay_fractions", [])]
+    for i, delay in enumerate(delays):
         print(json.dumps(run_case(spec, model, f"delay-{i}", None, delay)), flush=True)
 
 

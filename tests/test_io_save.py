@@ -9,6 +9,7 @@ Hugging-Face-cache targets, each leaving exactly the old or exactly the new chec
 import hashlib
 import json
 import os
+import pickle
 import pwd
 import shutil
 import stat
@@ -18,8 +19,9 @@ import tempfile
 import textwrap
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -641,3 +643,326 @@ def test_save_under_a_global_mesh(tmp_path):
         [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300
     )
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr
+
+
+# --------------------------------------------------------------------------------------------
+# Fault injection: saves killed at every step and at spread delays (tests/save_faults.py)
+
+
+class World(NamedTuple):
+    template: Path  # the whole layout; each case is a copy of it
+    target: str  # the path the save is given, relative to the layout
+    real: str  # the directory it replaces
+
+    def outside(self, root: Path) -> dict[str, tuple]:
+        """Everything under `root` outside the target, its leftovers aside."""
+        parent = os.path.dirname(self.real)
+        name = os.path.basename(self.real)
+        spare = [os.path.join(parent, p.name) for p in (root / parent).glob(f".{name}.*-*")]
+        return snapshot(root, exclude=(self.real, *spare))
+
+
+def make_world(root: Path, layout: str, write_old) -> World:
+    """The old checkpoint (written by `write_old(directory)`) plus metadata, laid out as
+    `layout`: a plain directory (with a link to a shared directory), a `cp -al` copy of an
+    original, a symbolic link to the directory, or a Hugging Face cache snapshot whose files are
+    links into `blobs/`."""
+    template = root / "template"
+    template.mkdir(parents=True)
+    if layout == "hf_cache":
+        scratch = root / "scratch"
+        write_old(scratch)
+        add_extras(scratch)
+        repo = template / "hub" / "models--org--tiny"
+        snapshot_dir = repo / "snapshots" / "0123abc"
+        for file in sorted(p for p in scratch.rglob("*") if p.is_file()):
+            data = file.read_bytes()
+            blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+            blob.parent.mkdir(parents=True, exist_ok=True)
+            blob.write_bytes(data)
+            link = snapshot_dir / file.relative_to(scratch)
+            link.parent.mkdir(parents=True, exist_ok=True)
+            os.symlink(os.path.relpath(blob, link.parent), link)
+        (repo / "refs").mkdir()
+        (repo / "refs" / "main").write_text("0123abc")
+        world = World(template, "hub/models--org--tiny/snapshots/0123abc", "")
+        world = world._replace(real=world.target)
+    else:
+        base = {"plain": "ckpt", "hardlinks": "original", "symlink": "real"}[layout]
+        write_old(template / base)
+        add_extras(template / base)
+        if layout == "plain":
+            (template / "shared").mkdir()
+            (template / "shared" / "vocab.txt").write_text("shared")
+            os.symlink("../shared", template / base / "assets")
+            world = World(template, "ckpt", "ckpt")
+        elif layout == "hardlinks":
+            subprocess.run(["cp", "-al", str(template / base), str(template / "ckpt")], check=True)
+            world = World(template, "ckpt", "ckpt")
+        else:
+            os.symlink("real", template / "link")
+            world = World(template, "link", "real")
+    os.chmod(template / world.real, 0o750)
+    return world
+
+
+def run_faults(tmp_path: Path, kind: str, world: World, model, save_kwargs: dict, **spec):
+    """Runs `tests/save_faults.py`; returns the uninterrupted case and the killed ones."""
+    model_file = tmp_path / "model.pickle"
+    model_file.write_bytes(pickle.dumps(model))
+    cases = tmp_path / "cases"
+    cases.mkdir()
+    spec = dict(
+        kind=kind,
+        model=str(model_file),
+        template=str(world.template),
+        target=world.target,
+        cases=str(cases),
+        save=save_kwargs,
+        **{"steps": [], "delays": [], "no_exchange": False, **spec},
+    )
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
+    result = subprocess.run(
+        [sys.executable, str(FAULTS), str(tmp_path / "spec.json")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=1800,
+    )
+    assert result.returncode == 0, result.stderr
+    complete, *killed = [json.loads(line) for line in result.stdout.splitlines()]
+    assert complete["outcome"] == "completed", complete
+    return complete, killed
+
+
+def check_new_checkpoint(world: World, target: Path, expected: dict, config: dict | None):
+    """The new checkpoint, checked by hand: its tensors, its config, and every carried file as
+    a regular copy (a link kept only where it points to a directory or nowhere)."""
+    assert_tensors_equal(read_checkpoint(target), expected)
+    if config is not None:
+        assert json.loads((target / "config.json").read_text()) == config
+        assert not (target / "config.json").is_symlink()
+    old = world.template / world.real
+    for relative, entry in snapshot(old).items():
+        name = Path(relative).name
+        if name.endswith((".safetensors", ".index.json")) or relative == "config.json":
+            continue
+        found = target / relative
+        if entry[0] == "link" and (old / relative).is_dir():
+            assert os.readlink(found) == entry[1], relative
+        elif entry[0] != "dir":
+            assert not found.is_symlink() and os.stat(found).st_nlink == 1, relative
+            assert found.read_bytes() == (old / relative).read_bytes(), relative
+    assert stat.S_IMODE(os.stat(target).st_mode) == 0o750
+
+
+def sweep(
+    tmp_path, kind, layout, write_old, new_model, save_kwargs, expected, config, load, **spec
+):
+    """Kills a save over `layout` as `spec` says and checks every case: outside the target,
+    every file byte-identical; the target exactly the old or exactly the new checkpoint (every
+    file, link and mode), as the point of the kill requires; `load(target, state)` checks what
+    eqx_lean loads from the first case of each state (the others hold the same bytes)."""
+    world = make_world(tmp_path / "world", layout, write_old)
+    complete, killed = run_faults(tmp_path, kind, world, new_model, save_kwargs, **spec)
+    trace = [tuple(step[:3]) for step in complete["steps"]]
+    real = Path(complete["world"]) / world.real
+    check_new_checkpoint(world, real, expected, config)
+    states = {"old": snapshot(world.template / world.real), "new": snapshot(real)}
+    outside = world.outside(world.template)
+    assert world.outside(Path(complete["world"])) == outside
+    load(real, "new")
+    swap = next((i for i, s in enumerate(trace) if s[:2] == ("after", "exchange")), None)
+    results = []
+    for case in killed:
+        root = Path(case["world"])
+        target = root / world.real
+        where = (case["case"], case["steps"][-1:] if case["steps"] else None, case["outcome"])
+        assert case["outcome"] in ("killed", "completed"), where
+        assert world.outside(root) == outside, where
+        if world.target != world.real:
+            assert os.readlink(root / world.target) == os.readlink(world.template / world.target)
+        state = next((s for s, snap in states.items() if snapshot(target) == snap), None)
+        if state is None and spec.get("no_exchange") and not target.exists():
+            # Between the two renames of the fallback: the old checkpoint lies aside.
+            (aside,) = list(target.parent.glob(f".{target.name}.old-*"))
+            assert snapshot(aside) == states["old"], where
+            renames = [i + 1 for i, s in enumerate(trace) if s[1] == "rename"]
+            assert case["kill_at"] in renames[1:3], where  # after the first, before the second
+            results.append("aside")
+            continue
+        assert state is not None, where
+        if case["kill_at"] is not None and swap is not None:
+            assert state == ("new" if case["kill_at"] > swap else "old"), where
+        assert len(leftovers(target)) <= 1, where
+        if state not in results:  # the same bytes load the same: load one case per state
+            load(target, state)
+        results.append(state)
+    return trace, killed, results
+
+
+def stacked_loader(old_tree, new_tree):
+    def load(target: Path, state: str) -> None:
+        tree = old_tree if state == "old" else new_tree
+        like = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in tree.items()}
+        loaded = eqx_lean.load_stacked(target, like, NAMES)
+        for k, v in tree.items():
+            np.testing.assert_array_equal(bits(np.asarray(loaded[k])), bits(v), err_msg=k)
+
+    return load
+
+
+def stacked_sweep(tmp_path, layout, steps, delay_fractions=(), width=8, layers=(4, 3), **spec):
+    old_tree, new_tree = stacked(layers[0], 0, width), stacked(layers[1], 1, width)
+
+    def write_old(path):
+        eqx_lean.save_stacked(path, old_tree, NAMES, max_shard_bytes=600 * width)
+
+    save_kwargs = {"max_shard_bytes": 10**12} if width == 8 else {"max_shard_bytes": 3 << 20}
+    return sweep(
+        tmp_path,
+        "stacked",
+        layout,
+        write_old,
+        (new_tree, NAMES),
+        save_kwargs,
+        tensors_of(new_tree),
+        None,
+        stacked_loader(old_tree, new_tree),
+        steps=steps,
+        delay_fractions=list(delay_fractions),
+        **spec,
+    )
+
+
+@pytest.mark.parametrize("layout", ["plain", "hardlinks", "symlink"])
+def test_save_stacked_killed_before_and_after_every_step(tmp_path, layout):
+    """SIGKILL inside the hook before and after each filesystem operation, for every one until
+    the save completes (the default suite runs the plain layout whole, a sample of the rest)."""
+    steps = "all" if layout == "plain" else "sample:2"
+    trace, killed, results = stacked_sweep(tmp_path, layout, steps)
+    assert len(killed) == (len(trace) if layout == "plain" else len(killed))
+    assert {"old", "new"} <= set(results)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["hardlinks", "symlink"])
+def test_save_stacked_killed_at_every_step_full(tmp_path, layout):
+    trace, killed, _ = stacked_sweep(tmp_path, layout, "all")
+    assert len(killed) == len(trace)
+
+
+@pytest.mark.parametrize("layout", ["plain"])
+def test_save_without_atomic_exchange_killed_at_every_step(tmp_path, layout):
+    """Where `renameat2` is missing, two renames: between them the target is missing and the
+    old checkpoint lies in `.<name>.old-*`, as the docs say; at every other point, old or new."""
+    trace, killed, results = stacked_sweep(tmp_path, layout, "all", no_exchange=True)
+    assert ("before", "exchange") in [s[:2] for s in trace]  # tried, refused, then renames
+    assert [s[:2] for s in trace].count(("after", "rename")) == 2
+    assert results.count("aside") == 2 and len(killed) == len(trace)
+
+
+# The last hook call a child logged before dying, when it died while a file was being written
+# (created, partly written, or written but not yet flushed).
+MID_FILE = (["after", "create"], ["before", "write"], ["after", "write"], ["before", "fsync"])
+
+
+def assert_some_land_mid_file(killed: list[dict], results: list[str]) -> None:
+    landed = [c["steps"][-1][:2] if c["steps"] else None for c in killed]
+    assert any(step in MID_FILE for step in landed), landed
+    assert "old" in results and "new" in results, (results, landed)
+
+
+def test_save_stacked_killed_at_spread_delays(tmp_path):
+    """Real SIGKILLs from outside at spread delays, some in the middle of a file's writing."""
+    trace, killed, results = stacked_sweep(
+        tmp_path, "plain", [], [*np.linspace(0.02, 1.0, 11), 3.0], width=512, layers=(6, 8)
+    )
+    assert_some_land_mid_file(killed, results)
+
+
+# --- save_hf ----------------------------------------------------------------------------------
+
+
+def mistral_config(**overrides):
+    from examples.mistral7b import MistralConfig
+
+    tiny = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=None,
+        dtype="float32",
+    )
+    return MistralConfig(**(tiny | overrides))
+
+
+def random_mistral(config, seed: int):
+    """A Mistral of random numpy leaves (no JAX computation; `init` would compile for seconds)."""
+    from examples.mistral7b.hf import abstract_model
+
+    rng = np.random.default_rng(seed)
+    like = abstract_model(config)
+    return jax.tree.map(
+        lambda s: (0.2 * rng.standard_normal(s.shape, dtype=np.float32)).astype(s.dtype), like
+    )
+
+
+def hf_sweep(tmp_path, layout, steps, delay_fractions=(), big=False):
+    """Old: 2 float32 layers; new: 3 bfloat16 layers in several shards. A mixture (new weights
+    with the old config, or the reverse) would load as the wrong model."""
+    from examples.mistral7b import load_hf, save_hf, to_hf_state_dict
+
+    sizes = dict(vocab_size=2048, hidden_size=256, intermediate_size=768) if big else {}
+    old_model = random_mistral(mistral_config(**sizes), 0)
+    new_config = mistral_config(num_hidden_layers=3, dtype="bfloat16", **sizes)
+    new_model = random_mistral(new_config, 1)
+    config = new_config.to_hf() | {"dtype": "bfloat16"}
+    models = {"old": old_model, "new": new_model}
+
+    def load(target: Path, state: str) -> None:
+        loaded, model = load_hf(target), models[state]
+        assert loaded.config == model.config and loaded.dtype == model.dtype, state
+        for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(model), strict=True):
+            assert a.shape == b.shape and a.dtype == b.dtype, state
+            np.testing.assert_array_equal(bits(np.asarray(a)), bits(b))
+
+    return sweep(
+        tmp_path,
+        "hf",
+        layout,
+        lambda path: save_hf(old_model, path),
+        new_model,
+        {"max_shard_bytes": (4 << 20) if big else 40_000},
+        to_hf_state_dict(new_model),
+        config,
+        load,
+        steps=steps,
+        delay_fractions=list(delay_fractions),
+    )
+
+
+@pytest.mark.parametrize("layout", ["plain", "hf_cache"])
+def test_save_hf_killed_before_and_after_sampled_steps(tmp_path, layout):
+    trace, killed, results = hf_sweep(tmp_path, layout, "sample:3")
+    assert {"old", "new"} <= set(results)
+    assert len(killed) >= len([s for s in trace if s[1] != "write"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["plain", "hardlinks", "symlink", "hf_cache"])
+def test_save_hf_killed_at_every_step_full(tmp_path, layout):
+    trace, killed, _ = hf_sweep(tmp_path, layout, "all")
+    assert len(killed) == len(trace)
+
+
+@pytest.mark.parametrize("layout", ["plain"])
+def test_save_hf_killed_at_spread_delays(tmp_path, layout):
+    trace, killed, results = hf_sweep(
+        tmp_path, layout, [], [*np.linspace(0.02, 1.0, 11), 3.0], big=True
+    )
+    assert_some_land_mid_file(killed, results)
