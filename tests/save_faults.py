@@ -27,6 +27,7 @@ import time
 import traceback
 
 from eqx_lean import _io
+from eqx_lean._io import fs
 
 
 def save(spec: dict, model, world: str) -> None:
@@ -44,7 +45,7 @@ def child(spec: dict, model, world: str, progress: str, kill_at: int | None) -> 
     """Runs in the forked child: one save, killed at hook call `kill_at`; never returns."""
     try:
         if spec["no_exchange"]:
-            _io.fs._renameat2 = lambda: None  # pyright: ignore[reportAttributeAccessIssue]
+            fs._renameat2 = lambda: None  # pyright: ignore[reportAttributeAccessIssue]
         log = os.open(progress, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         start = time.perf_counter()
         count = 0
@@ -57,7 +58,7 @@ def child(spec: dict, model, world: str, progress: str, kill_at: int | None) -> 
             if count == kill_at:
                 os.kill(os.getpid(), signal.SIGKILL)
 
-        _io.fs.HOOKS.append(hook)
+        fs.HOOKS.append(hook)
         save(spec, model, world)
         os._exit(0)
     except BaseException:

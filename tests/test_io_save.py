@@ -449,6 +449,8 @@ def test_file_and_dangling_link_targets_are_refused(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(ValueError, match="`path` must be a directory"):
         save(tmp_path / "file")
+    with pytest.raises(ValueError, match=r"but .*/file, on the way to .*/file/ckpt, is a file"):
+        save(tmp_path / "file" / "ckpt")
     os.symlink(tmp_path / "nowhere", tmp_path / "dangling")
     with pytest.raises(ValueError, match=r"is a symbolic link to .*nowhere', which does not"):
         save(tmp_path / "dangling")
@@ -888,7 +890,7 @@ def test_save_stacked_killed_at_spread_delays(tmp_path):
 def mistral_config(**overrides):
     from examples.mistral7b import MistralConfig
 
-    tiny = dict(
+    tiny: dict[str, Any] = dict(
         vocab_size=128,
         hidden_size=64,
         intermediate_size=96,
@@ -966,3 +968,56 @@ def test_save_hf_killed_at_spread_delays(tmp_path, layout):
         tmp_path, layout, [], [*np.linspace(0.02, 1.0, 11), 3.0], big=True
     )
     assert_some_land_mid_file(killed, results)
+
+
+def test_save_hf_over_a_hard_linked_copy_leaves_the_original_loading_as_before(tmp_path):
+    """The issue's case: `save_hf` into a `cp -al` copy used to rewrite the original's
+    `config.json` in place, through the hard link."""
+    from examples.mistral7b import load_hf, save_hf
+
+    old_model = random_mistral(mistral_config(), 0)
+    new_model = random_mistral(mistral_config(num_hidden_layers=3, dtype="bfloat16"), 1)
+    save_hf(old_model, tmp_path / "base")
+    subprocess.run(["cp", "-al", str(tmp_path / "base"), str(tmp_path / "copy")], check=True)
+    (tmp_path / "copy" / "consolidated.safetensors").write_bytes(b"other weights")
+    original = snapshot(tmp_path / "base")
+    with pytest.raises(ValueError, match=r"does not own: 'consolidated.safetensors'"):
+        save_hf(new_model, tmp_path / "copy")
+    save_hf(new_model, tmp_path / "copy", other_weights="drop")
+    assert snapshot(tmp_path / "base") == original
+    for path, model in [(tmp_path / "base", old_model), (tmp_path / "copy", new_model)]:
+        loaded = load_hf(path)
+        assert loaded.config == model.config and loaded.dtype == model.dtype
+        for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(model), strict=True):
+            np.testing.assert_array_equal(bits(np.asarray(a)), bits(b))
+    assert sorted(os.listdir(tmp_path / "copy")) == ["config.json", "model.safetensors"]
+
+
+def test_concurrent_saves_never_mix(old):
+    """Two threads saving different models to one path, again and again: after each round the
+    directory is exactly one of the two checkpoints, with the metadata, and nothing is left."""
+    import threading
+
+    ckpt, _ = old
+    trees = [stacked(3, 10), stacked(5, 11)]
+    errors = []
+
+    def run(tree):
+        try:
+            eqx_lean.save_stacked(ckpt, tree, NAMES, max_shard_bytes=700)
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    for _ in range(8):
+        threads = [threading.Thread(target=run, args=(t,)) for t in trees]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == []
+        found = read_checkpoint(ckpt)
+        assert any(sorted(found) == sorted(tensors_of(t)) for t in trees)
+        (tree,) = [t for t in trees if sorted(found) == sorted(tensors_of(t))]
+        assert_tensors_equal(found, tensors_of(tree))
+        assert (ckpt / "extra" / "notes.txt").read_text() == "kept"
+        assert leftovers(ckpt) == []

@@ -203,7 +203,7 @@ def resolve_target(path: str | os.PathLike) -> tuple[Path, os.stat_result | None
         )
     try:
         info = os.stat(target)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         info = None
     if info is not None and not stat.S_ISDIR(info.st_mode):
         raise ValueError(f"`path` must be a directory (or not exist yet); {given} is a file.")
@@ -225,9 +225,14 @@ def resolve_target(path: str | os.PathLike) -> tuple[Path, os.stat_result | None
                 given,
             )
     ancestor = target.parent
-    while not ancestor.exists():
+    while not os.path.lexists(ancestor):
         ancestor = ancestor.parent
-    if not ancestor.is_dir() or not os.access(ancestor, os.W_OK | os.X_OK):
+    if not ancestor.is_dir():
+        raise ValueError(
+            f"`path` must be a directory (or not exist yet) in a directory, but {ancestor}, on "
+            f"the way to {given}, is a file. Nothing was written."
+        )
+    if not os.access(ancestor, os.W_OK | os.X_OK):
         raise PermissionError(
             errno.EACCES,
             f"a save of {given} must create its new directory in {ancestor}, but this user "
@@ -491,7 +496,7 @@ def _after_swap(path: Path, old: Path | None) -> None:
         warnings.warn(
             f"eqx_lean: the new checkpoint is in place in {path}, but finishing the save "
             f"failed ({error!r}).{where}",
-            stacklevel=4,
+            stacklevel=5,  # the caller of save_stacked or save_tensors
         )
     except BaseException as error:
         where = ""
