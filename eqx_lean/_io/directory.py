@@ -342,7 +342,7 @@ def plan(
         raise PermissionError(
             errno.EACCES,
             f"a save of {target} must copy (or later delete) every entry it does not own, but "
-            f"cannot: {'; '.join(problems[:5])}. Fix their permissions. Nothing was written",
+            f"cannot: {'; '.join(problems[:5])}. Fix or move them. Nothing was written",
             os.fspath(target),
         )
     assert info is not None
