@@ -765,9 +765,11 @@ def sweep(
     """Kills a save over `layout` as `spec` says and checks every case: outside the target,
     every file byte-identical; the target exactly the old or exactly the new checkpoint (every
     file, link and mode), as the point of the kill requires; `load(target, state)` checks what
-    eqx_lean loads from the first case of each state (the others hold the same bytes)."""
+    eqx_lean loads from the first case of each state (the others hold the same bytes), or from
+    every case with `load_every=True`."""
     world = make_world(tmp_path / "world", layout, write_old)
-    complete, killed = run_faults(tmp_path, kind, world, new_model, save_kwargs, **spec)
+    server_spec = {k: v for k, v in spec.items() if k != "load_every"}
+    complete, killed = run_faults(tmp_path, kind, world, new_model, save_kwargs, **server_spec)
     trace = [tuple(step[:3]) for step in complete["steps"]]
     real = Path(complete["world"]) / world.real
     check_new_checkpoint(world, real, expected, config)
@@ -798,8 +800,8 @@ def sweep(
         if case["kill_at"] is not None and swap is not None:
             assert state == ("new" if case["kill_at"] > swap else "old"), where
         assert len(leftovers(target)) <= 1, where
-        if state not in results:  # the same bytes load the same: load one case per state
-            load(target, state)
+        if state not in results or spec.get("load_every"):
+            load(target, state)  # by default one case per state: the others hold the same bytes
         results.append(state)
     return trace, killed, results
 
@@ -851,7 +853,7 @@ def test_save_stacked_killed_before_and_after_every_step(tmp_path, layout):
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["hardlinks", "symlink"])
 def test_save_stacked_killed_at_every_step_full(tmp_path, layout):
-    trace, killed, _ = stacked_sweep(tmp_path, layout, "all")
+    trace, killed, _ = stacked_sweep(tmp_path, layout, "all", load_every=True)
     assert len(killed) == len(trace)
 
 
@@ -914,7 +916,7 @@ def random_mistral(config, seed: int):
     )
 
 
-def hf_sweep(tmp_path, layout, steps, delay_fractions=(), big=False):
+def hf_sweep(tmp_path, layout, steps, delay_fractions=(), big=False, load_every=False):
     """Old: 2 float32 layers; new: 3 bfloat16 layers in several shards. A mixture (new weights
     with the old config, or the reverse) would load as the wrong model."""
     from examples.mistral7b import load_hf, save_hf, to_hf_state_dict
@@ -945,6 +947,7 @@ def hf_sweep(tmp_path, layout, steps, delay_fractions=(), big=False):
         load,
         steps=steps,
         delay_fractions=list(delay_fractions),
+        load_every=load_every,
     )
 
 
@@ -958,7 +961,7 @@ def test_save_hf_killed_before_and_after_sampled_steps(tmp_path, layout):
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["plain", "hardlinks", "symlink", "hf_cache"])
 def test_save_hf_killed_at_every_step_full(tmp_path, layout):
-    trace, killed, _ = hf_sweep(tmp_path, layout, "all")
+    trace, killed, _ = hf_sweep(tmp_path, layout, "all", load_every=True)
     assert len(killed) == len(trace)
 
 

@@ -400,8 +400,8 @@ def _failed_before_swap(error: BaseException, target: Target, new: Path) -> None
         error.add_note(f"The partial new checkpoint ({new}) was deleted.")
     except BaseException as cleanup_error:  # e.g. the filesystem went read-only
         error.add_note(
-            f"The partial new checkpoint lies in {new} ({cleanup_error!r}): delete it; nothing "
-            "ever reads it."
+            f"The partial new checkpoint lies in {new} ({cleanup_error!r}): it is not the "
+            "checkpoint and nothing reads it, so it is safe to delete now."
         )
 
 
