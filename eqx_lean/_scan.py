@@ -14,7 +14,9 @@ from jax import lax
 from jax.custom_derivatives import SymbolicZero
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
+from . import _compat
 from ._build import _num_layers_of_stack
+from ._scan_grad import SAVE_ALL, differentiated_by_index
 
 
 Carry = TypeVar("Carry")
@@ -343,6 +345,20 @@ def _scan(
     def primal(consts: list[Array], dynamic: Any, carry: Any, xs: Any) -> Any:
         step = functools.partial(step_with, consts)
         return _scan_by_index(step, dynamic, carry, xs, num_layers, unroll)
+
+    if _compat.has_custom_transpose():
+        if isinstance(remat, NestedRemat):
+            group_size = min(remat.group_size or _default_group_size(num_layers), num_layers)
+            policy = remat.policy or jax.checkpoint_policies.nothing_saveable
+        else:
+            group_size = None
+            policy = {None: SAVE_ALL, True: jax.checkpoint_policies.nothing_saveable}.get(
+                remat,
+                remat,  # pyright: ignore[reportArgumentType, reportCallIssue]
+            )
+        return differentiated_by_index(
+            step_with, primal, (consts, dynamic, carry, xs), num_layers, policy, group_size, unroll
+        )
 
     # Differentiating the index-sliced loop would accumulate the stack's cotangent as a
     # loop-carried, stack-sized sum; the scan over `xs` stacks per-layer cotangents instead.

@@ -1,0 +1,199 @@
+"""Every use of private JAX API in eqx_lean, each version-gated, each with a public fallback.
+
+A private API is used only on the JAX series it was tested with (`TESTED_JAX_SERIES`) and only
+where it is found; anywhere else the fallback runs: the same values, at a cost in memory or
+speed that the docstring of each accessor states. `EQX_LEAN_NO_PRIVATE_JAX=1` in the
+environment (read at import) or `without_private_jax()` (for tests) forces every fallback.
+"""
+
+import contextlib
+import functools
+import os
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+
+
+# The JAX releases whose private APIs below were read and tested (major, minor).
+TESTED_JAX_SERIES = (0, 10)
+
+_forced_off = os.environ.get("EQX_LEAN_NO_PRIVATE_JAX", "") not in ("", "0")
+
+
+def private_jax_allowed() -> bool:
+    """Whether private JAX APIs may be used: the tested JAX series, and not forced off."""
+    return not _forced_off and tuple(jax.__version_info__[:2]) == TESTED_JAX_SERIES
+
+
+@contextlib.contextmanager
+def without_private_jax() -> Iterator[None]:
+    """Within the block, every accessor here takes its public fallback (for tests)."""
+    global _forced_off
+    before = _forced_off
+    _forced_off = True
+    try:
+        yield
+    finally:
+        _forced_off = before
+
+
+# --- linear functions with a custom transpose -------------------------------------------------
+#
+# `jax.custom_derivatives.linear_call` is the public form of this, but its primitive has no
+# batching rule (so `vmap` of a gradient fails) and no JVP rule for non-zero residual tangents
+# (so a Hessian fails). The primitive below has all four rules: its transpose *inlines* the
+# custom transpose as ordinary JAX operations (after which vmap, jvp and jit see plain code),
+# its JVP stays a call of itself while the residuals have zero tangents (first-order forward
+# mode) and otherwise differentiates the forward function as plain JAX, and its batching rule
+# vmaps both functions.
+
+
+@functools.cache
+def _custom_transpose_primitive() -> Any | None:
+    """The `eqx_lean_linear_call` primitive, defined on first use; `None` if JAX lacks the API."""
+    try:
+        from jax.extend.core import Primitive
+        from jax.interpreters import ad, batching, mlir
+    except ImportError:
+        return None
+    required = (
+        (ad, ("primitive_jvps", "primitive_transposes", "Zero", "instantiate_zeros")),
+        (ad, ("is_undefined_primal",)),
+        (batching, ("fancy_primitive_batchers",)),
+        (mlir, ("register_lowering", "lower_fun")),
+    )
+    if not all(hasattr(module, name) for module, names in required for name in names):
+        return None
+
+    primitive = Primitive("eqx_lean_linear_call")
+    primitive.multiple_results = True
+
+    def impl(*args: Any, fun: Callable[..., Any], **_: Any) -> list[Any]:
+        return list(fun(*args))
+
+    def abstract_eval(*args: Any, out_avals: tuple[Any, ...], **_: Any) -> list[Any]:
+        del args
+        return list(out_avals)
+
+    def bind(args: Sequence[Any], **params: Any) -> list[Any]:
+        return primitive.bind(*args, **params)
+
+    def jvp(primals: Sequence[Any], tangents: Sequence[Any], **params: Any) -> Any:
+        num_res, out_avals = params["num_res"], params["out_avals"]
+        primals_out = bind(primals, **params)
+        res_dots, lin_dots = tangents[:num_res], tangents[num_res:]
+        if all(type(t) is ad.Zero for t in res_dots):
+            if all(type(t) is ad.Zero for t in lin_dots):
+                return primals_out, [ad.Zero(a.to_tangent_aval()) for a in out_avals]
+            lin_dots = [ad.instantiate_zeros(t) for t in lin_dots]
+            return primals_out, bind([*primals[:num_res], *lin_dots], **params)
+        # Tangents on the residuals (second-order forward mode): the forward function as plain
+        # JAX. Correct; its transpose, if any, is then JAX's own rather than the custom one.
+        dots = [ad.instantiate_zeros(t) for t in tangents]
+        _, tangents_out = jax.jvp(lambda *a: list(params["fun"](*a)), list(primals), dots)
+        return primals_out, tangents_out
+
+    def transpose(cts: Sequence[Any], *args: Any, **params: Any) -> list[Any]:
+        num_res = params["num_res"]
+        res = args[:num_res]
+        assert not any(ad.is_undefined_primal(r) for r in res)
+        assert all(ad.is_undefined_primal(x) for x in args[num_res:])
+        cts = [ad.instantiate_zeros(ct) for ct in cts]
+        lin_cts = params["transpose"](*res, *cts)
+        return [None] * num_res + list(lin_cts)
+
+    def batch(axis_data: Any, args: Sequence[Any], dims: Sequence[Any], **params: Any) -> Any:
+        num_res, size = params["num_res"], axis_data.size
+        if all(d is None for d in dims):  # JAX calls the rule for unbatched operands too
+            out = bind(args, **params)
+            return out, [None] * len(out)
+        args = [
+            a if d is None else jax.numpy.moveaxis(a, d, 0) for a, d in zip(args, dims, strict=True)
+        ]
+        res_axes = [None if d is None else 0 for d in dims[:num_res]]
+        # Every linear input batched, so that every cotangent is: broadcasting an unbatched one
+        # happens outside the primitive, where JAX transposes it (to a sum over the batch).
+        lin = [
+            a if d is not None else jax.numpy.broadcast_to(a, (size, *jax.numpy.shape(a)))
+            for a, d in zip(args[num_res:], dims[num_res:], strict=True)
+        ]
+        vmap = functools.partial(
+            jax.vmap,
+            axis_name=axis_data.name,
+            axis_size=size,
+            spmd_axis_name=axis_data.spmd_name,
+        )
+        fun = vmap(params["fun"], in_axes=(*res_axes, *([0] * len(lin))))
+        transpose = vmap(
+            params["transpose"], in_axes=(*res_axes, *([0] * len(params["out_avals"])))
+        )
+        out_avals = tuple(a.update(shape=(size, *a.shape)) for a in params["out_avals"])
+        out = bind(
+            [*args[:num_res], *lin],
+            fun=fun,
+            transpose=transpose,
+            num_res=num_res,
+            out_avals=out_avals,
+        )
+        return out, [0] * len(out)
+
+    primitive.def_impl(impl)
+    primitive.def_abstract_eval(abstract_eval)
+    ad.primitive_jvps[primitive] = jvp
+    ad.primitive_transposes[primitive] = transpose
+    batching.fancy_primitive_batchers[primitive] = batch
+    mlir.register_lowering(primitive, mlir.lower_fun(impl, multiple_results=True))
+    return primitive
+
+
+def has_custom_transpose() -> bool:
+    """Whether `linear_call_with_transpose` uses its custom transpose on this JAX."""
+    return private_jax_allowed() and _custom_transpose_primitive() is not None
+
+
+def linear_call_with_transpose(
+    fun: Callable[..., Sequence[Any]],
+    transpose: Callable[..., Sequence[Any]],
+    residuals: Sequence[Any],
+    linear: Sequence[Any],
+    out_like: Sequence[Any],
+) -> list[Any]:
+    """Returns `fun(*residuals, *linear)`, a linear function of `linear` whose transpose is
+    `transpose(*residuals, *cotangents)`.
+
+    Reverse-mode differentiation (`grad`, `vjp`) of code that calls this runs `transpose`
+    in place of the transpose JAX would derive from `fun`; forward mode (`jvp`, `jacfwd`) runs
+    `fun`. Both must be written in JAX and agree (be transposes of each other), as for
+    `jax.custom_derivatives.linear_call`.
+
+    Fallback (another JAX series, or private JAX forced off): `fun` is called directly and JAX
+    derives its transpose: the same values, at the memory cost of JAX's own transpose.
+
+    **Arguments:**
+
+    - `fun`: `fun(*residuals, *linear) -> outputs`, a sequence of arrays linear in `linear`.
+    - `transpose`: `transpose(*residuals, *cotangents) -> linear cotangents`, one cotangent
+        per output and one result per element of `linear`, with its shape and dtype.
+    - `residuals`: arrays `fun` is not linear in; they are never differentiated here (a
+        tangent on them is handled by differentiating `fun` as plain JAX).
+    - `linear`: arrays of an inexact dtype.
+    - `out_like`: one array (or tracer) per output of `fun` with that output's shape, dtype
+        and (explicit) sharding, e.g. the primal value whose tangent the output is.
+
+    **Returns:**
+
+    The outputs of `fun`, as a list.
+    """
+    primitive = _custom_transpose_primitive() if private_jax_allowed() else None
+    if primitive is None:
+        return list(fun(*residuals, *linear))
+    out_avals = tuple(jax.typeof(x).to_tangent_aval() for x in out_like)
+    return primitive.bind(
+        *residuals,
+        *linear,
+        fun=fun,
+        transpose=transpose,
+        num_res=len(residuals),
+        out_avals=out_avals,
+    )
