@@ -53,6 +53,7 @@ def without_private_jax() -> Iterator[None]:
 def _custom_transpose_primitive() -> Any | None:
     """The `eqx_lean_linear_call` primitive, defined on first use; `None` if JAX lacks the API."""
     try:
+        from jax._src.interpreters import batching as batching_internals
         from jax.extend.core import Primitive
         from jax.interpreters import ad, batching, mlir
     except ImportError:
@@ -61,6 +62,7 @@ def _custom_transpose_primitive() -> Any | None:
         (ad, ("primitive_jvps", "primitive_transposes", "Zero", "instantiate_zeros")),
         (ad, ("is_undefined_primal",)),
         (batching, ("fancy_primitive_batchers",)),
+        (batching_internals, ("batch_jaxpr",)),
         (mlir, ("register_lowering", "lower_fun")),
     )
     if not all(hasattr(module, name) for module, names in required for name in names):
@@ -111,24 +113,40 @@ def _custom_transpose_primitive() -> Any | None:
         args = [
             a if d is None else jax.numpy.moveaxis(a, d, 0) for a, d in zip(args, dims, strict=True)
         ]
-        res_axes = [None if d is None else 0 for d in dims[:num_res]]
+        res_batched = [d is not None for d in dims[:num_res]]
         # Every linear input batched, so that every cotangent is: broadcasting an unbatched one
         # happens outside the primitive, where JAX transposes it (to a sum over the batch).
         lin = [
             a if d is not None else jax.numpy.broadcast_to(a, (size, *jax.numpy.shape(a)))
             for a, d in zip(args[num_res:], dims[num_res:], strict=True)
         ]
+        # Which outputs the batch reaches (a collective over the axis, as in batch norm, can
+        # leave an output unbatched): a `custom_jvp` gives the primal output the tangent's
+        # batching, so a needlessly batched tangent would batch a primal that is not.
+        per_example = [
+            jax.ShapeDtypeStruct(jax.numpy.shape(a)[1:] if b else jax.numpy.shape(a), a.dtype)
+            for a, b in zip(
+                [*args[:num_res], *lin], [*res_batched, *([True] * len(lin))], strict=True
+            )
+        ]
+        closed = jax.make_jaxpr(params["fun"])(*per_example)
+        _, out_batched = batching_internals.batch_jaxpr(
+            closed, axis_data, (*res_batched, *([True] * len(lin))), False
+        )
+        out_axes = [0 if b else None for b in out_batched]
         vmap = functools.partial(
             jax.vmap,
             axis_name=axis_data.name,
             axis_size=size,
             spmd_axis_name=axis_data.spmd_name,
         )
-        fun = vmap(params["fun"], in_axes=(*res_axes, *([0] * len(lin))))
-        transpose = vmap(
-            params["transpose"], in_axes=(*res_axes, *([0] * len(params["out_avals"])))
+        res_axes = [0 if b else None for b in res_batched]
+        fun = vmap(params["fun"], in_axes=(*res_axes, *([0] * len(lin))), out_axes=out_axes)
+        transpose = vmap(params["transpose"], in_axes=(*res_axes, *out_axes))
+        out_avals = tuple(
+            a.update(shape=(size, *a.shape)) if b else a
+            for a, b in zip(params["out_avals"], out_batched, strict=True)
         )
-        out_avals = tuple(a.update(shape=(size, *a.shape)) for a in params["out_avals"])
         out = bind(
             [*args[:num_res], *lin],
             fun=fun,
@@ -136,7 +154,7 @@ def _custom_transpose_primitive() -> Any | None:
             num_res=num_res,
             out_avals=out_avals,
         )
-        return out, [0] * len(out)
+        return out, out_axes
 
     primitive.def_impl(impl)
     primitive.def_abstract_eval(abstract_eval)
