@@ -134,6 +134,16 @@ class _Linearization:
     sources: tuple[tuple[str, int], ...] = ()
     out_tree: Any = None
     out_inexact: tuple[bool, ...] = ()
+    # Whether the carry entering each layer is saved: not when the VJP does not read it (with
+    # no checkpoint, it may need only values computed from it), then `carry_like` stands in.
+    carry_saved: bool = True
+    carry_like: tuple[jax.ShapeDtypeStruct, ...] = ()
+
+    def carry_in(self, carries: list[Array], at: Any) -> list[Array]:
+        if self.carry_saved:
+            return _index(carries, at)
+        # Read by nothing but a recomputation that does not depend on it, which XLA drops.
+        return [jnp.zeros(c.shape, c.dtype) for c in self.carry_like]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,21 +185,44 @@ class _Loops:
         return [*self.consts, *_index(stack, at), *carry_leaves, *_index(xs, at)]
 
 
+# Equations that call a sub-jaxpr once, its inputs and outputs one to one with theirs: their
+# dependencies are read inside. Any other (a loop, a conditional) marks all its results.
+_CALLS = {"jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint", "custom_jvp_call"}
+
+
 def _depends_on(
     fun: Callable[..., list[Any]], inputs: Sequence[Any], marked: Sequence[bool]
 ) -> list[bool]:
-    """Which outputs of `fun(*inputs)` may depend on the `marked` inputs.
+    """Which outputs of `fun(*inputs)` may depend on the `marked` inputs, read off its jaxpr.
 
-    Read off the jaxpr one equation at a time: an equation with a marked operand marks all its
-    results (a call of a sub-jaxpr is not looked into). Erring towards "depends" is safe: such
-    a residual is saved rather than recomputed.
+    Erring towards "depends" is safe: such a residual is saved rather than recomputed.
     """
-    jaxpr = jax.make_jaxpr(fun)(*inputs).jaxpr
+    closed = jax.make_jaxpr(fun)(*inputs)
+    return _marked_outputs(closed.jaxpr, marked)
+
+
+def _marked_outputs(jaxpr: Any, marked: Sequence[bool]) -> list[bool]:
+    def is_marked(v: Any) -> bool:
+        return isinstance(v, jax.extend.core.Var) and v in dependent
+
     dependent = set(_select(jaxpr.invars, marked))
     for eqn in jaxpr.eqns:
-        if any(isinstance(v, jax.extend.core.Var) and v in dependent for v in eqn.invars):
+        operands = [is_marked(v) for v in eqn.invars]
+        if not any(operands):
+            continue
+        inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+        inner = getattr(inner, "jaxpr", inner)  # a ClosedJaxpr's, or a Jaxpr
+        if (
+            eqn.primitive.name in _CALLS
+            and isinstance(inner, jax.extend.core.Jaxpr)
+            and len(inner.invars) == len(eqn.invars)
+            and len(inner.outvars) == len(eqn.outvars)
+        ):
+            results = _marked_outputs(inner, operands)
+            dependent.update(_select(eqn.outvars, results))
+        else:
             dependent.update(eqn.outvars)
-    return [isinstance(v, jax.extend.core.Var) and v in dependent for v in jaxpr.outvars]
+    return [is_marked(v) for v in jaxpr.outvars]
 
 
 def _forward_saving(
@@ -197,9 +230,9 @@ def _forward_saving(
 ) -> tuple[Any, list[Array], list[Array], list[Array], _Linearization]:
     """Runs layers `start, ..., start + length - 1`, saving what their backward pass needs.
 
-    Returns the last carry, the `y` leaves, the carry leaves entering each layer, the saved
-    residuals (each of these three stacked on a leading axis of `length`) and the layers'
-    linearisation.
+    Returns the last carry, the `y` leaves, the carry leaves entering each layer (none if
+    `lin.carry_saved` is false), the saved residuals (each of these three stacked on a leading
+    axis of `length`) and the layers' linearisation `lin`.
     """
     lin = _Linearization()
     activations = [j >= loops.layout.num_fixed for j in range(len(loops.layout.diff))]
@@ -230,8 +263,14 @@ def _forward_saving(
             else:
                 sources.append(("recompute", 0))
         lin.sources = tuple(sources)
+        carry_inputs = range(loops.layout.num_fixed, loops.layout.num_fixed + len(carry_leaves))
+        lin.carry_like = tuple(jax.ShapeDtypeStruct(jnp.shape(c), c.dtype) for c in carry_leaves)
+        lin.carry_saved = any(kind == "input" and j in carry_inputs for kind, j in sources) or any(
+            jnp.issubdtype(c.dtype, jax.dtypes.extended) for c in carry_leaves
+        )
         new_carry, y = jax.tree.unflatten(lin.out_tree, _merge(lin.out_inexact, inexact, others))
-        return (i + 1, new_carry, consts), (carry_leaves, jax.tree.leaves(y), saved)
+        carries = carry_leaves if lin.carry_saved else []
+        return (i + 1, new_carry, consts), (carries, jax.tree.leaves(y), saved)
 
     (_, carry, _), (carries, ys, saved) = lax.scan(
         body, (start, carry, loops.consts), None, length=length, unroll=loops.unroll
@@ -273,7 +312,7 @@ def _backward_segment(
         carries_now, saved_now, ct_ys_now, i = lax.optimization_barrier(
             (carries, saved, ct_ys, start + (length - 1) - k)
         )
-        inputs = loops.layer_inputs(i, _index(carries_now, i - start))
+        inputs = loops.layer_inputs(i, lin.carry_in(carries_now, i - start))
         saved_now = _index(saved_now, i - start)
         # XLA drops whatever part of this recomputation the backward pass does not read.
         again = jax.tree.leaves(loops.layer_vjp(inputs)[1]) if recompute else []
@@ -417,9 +456,10 @@ def differentiated_by_index(
                 loops, carry, jnp.int32(0), num_layers
             )
             ys = lin.out_tree.children()[1].unflatten(ys)
-            residuals = [*carries, *saved]
+            residuals, carries_kept = [*carries, *saved], carries
         else:
             carry_out, ys, residuals = _forward_group_carries(loops, carry, num_layers, group_size)
+            carries_kept = []
             lin = _Linearization()  # found per group, in the backward pass
         out_leaves, out_tree = jax.tree.flatten((carry_out, ys))
         out_inexact = [_is_inexact(o) for o in out_leaves]
@@ -449,7 +489,7 @@ def differentiated_by_index(
             loops_now = _Loops(step, layout, policy, consts, stack, xs, unroll)
             ct_ys = cts_out[num_ct_carry:]
             if group_size is None:
-                carries, saved = _split(res, [len(carry_leaves)])
+                carries, saved = _split(res, [len(carries_kept)])
                 cts = _backward_segment(loops_now, lin, carries, saved, ct_ys, cts, 0, num_layers)
             else:
                 cts = _nested_backward(loops_now, res, ct_ys, cts, num_layers, group_size)

@@ -274,18 +274,20 @@ def test_fold_under_every_transformation_matches_loop(mlp, remat):
     both(lambda f: jax.grad(jax.checkpoint(on_x(f))), x)
 
 
-def test_scan_gradients_with_integer_leaves_and_python_scalars(mlp):
-    # An integer counter and a Python float in the carry, integer and float `ys`.
+def test_scan_gradients_with_integer_leaves_keys_and_python_scalars(mlp):
+    # An integer counter, a random key and a Python float in the carry; integer and float `ys`.
     stacked, x, _ = mlp
     stacked, static = eqx.partition(stacked, eqx.is_array)
 
     def call(layer, carry, _):
-        h, count, scale = carry
-        h = layer(h) * scale
-        return (h, count + 1, scale * 0.5), (count, jnp.sum(h**2))
+        h, count, key, scale = carry
+        key, noise_key = jax.random.split(key)
+        h = layer(h) * scale + 0.1 * jax.random.normal(noise_key, h.shape)
+        return (h, count + 1, key, scale * 0.5), (count, jnp.sum(h**2))
 
     def loss(stacked, x, run):
-        (h, count, scale), (counts, norms) = run(stacked, (x, jnp.int32(0), 2.0))
+        carry = (x, jnp.int32(0), jax.random.key(7), 2.0)
+        (h, count, _, scale), (counts, norms) = run(stacked, carry)
         weights = jnp.arange(1.0, NUM_LAYERS + 1.0)
         return jnp.sum(jnp.sin(h)) + jnp.sum(weights * norms) + scale, (count, counts)
 
@@ -306,6 +308,25 @@ def test_scan_gradients_with_integer_leaves_and_python_scalars(mlp):
             return eqx_lean.scan(eqx.combine(stacked, static), carry, call=call, remat=remat)
 
         assert_close(gradient(scanned)(stacked, x), expected)
+
+
+def test_fold_gradient_when_no_layer_needs_its_incoming_carry(mlp):
+    # With no remat, a layer that starts with `sin` keeps `cos(x)`, never `x`: then the carries
+    # are not saved at all, and the backward pass must not need them.
+    stacked, x, _ = mlp
+
+    def call(layer, h):
+        return layer(jnp.sin(h))
+
+    def loop(stacked, x):
+        for layer in eqx_lean.unstack(stacked):
+            x = call(layer, x)
+        return x
+
+    expected = value_and_grads_of(loop, stacked, x)
+    assert_close(
+        value_and_grads_of(lambda s, x: eqx_lean.fold(s, x, call=call), stacked, x), expected
+    )
 
 
 class LoraLinear(eqx.Module):
