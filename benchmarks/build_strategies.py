@@ -11,12 +11,13 @@ only its own leaves. Unrolled, every draw fuses into its write and all strategie
 """
 
 import argparse
+import dataclasses
 import time
 
 import jax
 import jax.numpy as jnp
 
-from eqx_lean import _build, _threefry
+from eqx_lean import _core
 from eqx_lean.bench._models import PRESETS, Block
 
 
@@ -30,9 +31,13 @@ def _compile(lowered) -> tuple[int, int, float]:
     return analysis.temp_size_in_bytes, analysis.alias_size_in_bytes, seconds
 
 
+CPU = _core.Tricks.for_platform("cpu")
+
+
 def _report(name: str, traced: jax.stages.Traced) -> None:
-    rolled_temp, alias, rolled_seconds = _compile(traced.lower())
-    unrolled_temp, _, unrolled_seconds = _compile(_threefry.lower(traced))
+    jax_lowering = dataclasses.replace(CPU, fused_threefry=False)
+    rolled_temp, alias, rolled_seconds = _compile(_core.lower(traced, jax_lowering))
+    unrolled_temp, _, unrolled_seconds = _compile(_core.lower(traced, CPU))
     print(
         f"| {name} | {rolled_temp / MiB:.0f} MiB | {unrolled_temp / MiB:.2f} MiB "
         f"| {alias / MiB:.0f} MiB | {rolled_seconds:.2f} s | {unrolled_seconds:.2f} s |"
@@ -48,10 +53,9 @@ def main() -> None:
     def make(k):
         return Block(config, key=k)
 
-    plan = _build._Plan.make(make, keys, jnp.bfloat16, None, None)
+    plan = _core.plan_build(make, keys, jnp.bfloat16)
     structs = plan.structs
-    every_leaf = _build._Group(tuple(range(len(structs))), (None,) * len(structs))
-    index = jax.ShapeDtypeStruct((), jnp.int32, weak_type=True)
+    every_leaf = plan._replace(groups=(_core.Group(tuple(range(len(structs))), plan.shardings),))
     final = sum(s.size * s.dtype.itemsize for s in structs)
     print(f"{config}: final {final / MiB:.0f} MiB in bfloat16\n")
     print(
@@ -60,35 +64,17 @@ def main() -> None:
     )
     print("| --- | --- | --- | --- | --- | --- |")
 
-    for group in plan.groups:
-        traced = _build._write_layers_donated.trace(
-            plan.buffer_structs(group), keys, index, index, make, plan.signature, group
-        )
+    for group, traced in zip(plan.groups, _core.trace_writes(plan, CPU), strict=True):
         _report(f"per-group write, leaves {group.leaves} (chosen)", traced)
-
-    traced = _build._write_layers_donated.trace(
-        structs, keys, index, index, make, plan.signature, every_leaf
-    )
+    (traced,) = _core.trace_writes(every_leaf, CPU)
     _report("whole-layer write, called per layer", traced)
-
-    def group_loops(buffers, keys):
-        buffers = list(buffers)
-        _build._fill_traced(buffers, keys, make, plan.signature, plan.groups)
-        return tuple(buffers)
-
     _report(
         "one program: a fori_loop per group",
-        jax.jit(group_loops, donate_argnums=0).trace(structs, keys),
+        jax.jit(lambda keys: tuple(_core.fill_traced(plan, keys))).trace(keys),
     )
-
-    def whole_layer_loop(buffers, keys):
-        buffers = list(buffers)
-        _build._fill_traced(buffers, keys, make, plan.signature, (every_leaf,))
-        return tuple(buffers)
-
     _report(
         "one program: a fori_loop over whole layers",
-        jax.jit(whole_layer_loop, donate_argnums=0).trace(structs, keys),
+        jax.jit(lambda keys: tuple(_core.fill_traced(every_leaf, keys))).trace(keys),
     )
 
 

@@ -11,6 +11,7 @@ is allocated.
     python benchmarks/sharded_writes.py
 """
 
+import dataclasses
 import os
 
 
@@ -22,7 +23,7 @@ import numpy as np
 from jax.sharding import AxisType
 
 import eqx_lean
-from eqx_lean import _build, _threefry
+from eqx_lean import _core
 from eqx_lean.bench._models import PRESETS, Block, wide_layer
 
 
@@ -38,25 +39,22 @@ def _bytes(n: float) -> str:
     return f"{n / MiB:.2f} MiB" if n >= MiB else f"{n / KiB:.1f} KiB"
 
 
-def _temps_with_jax_lowering(plan, keys, make_layer) -> list[int]:
-    parameters, _threefry._PARAMETERS = _threefry._PARAMETERS, None
-    try:
-        compiled = _build._compile_writes(plan, keys, make_layer)
-    finally:
-        _threefry._PARAMETERS = parameters
-    return [c.memory_analysis().temp_size_in_bytes for c in compiled]
+def _temps_with_jax_lowering(plan: _core.BuildPlan) -> list[int]:
+    tricks = dataclasses.replace(_core.Tricks.for_platform("cpu"), fused_threefry=False)
+    lowered = _core.lower_writes(plan, tricks=tricks)
+    return [_core.memory_analysis(x.compile()).temp_size_in_bytes for x in lowered]
 
 
 def report(name: str, make_layer, devices: int, axis_type: AxisType) -> None:
     keys = jax.random.split(jax.random.key(0), 4)
     mesh = jax.make_mesh((devices,), ("data",), (axis_type,), devices=jax.devices()[:devices])
-    plan = _build._Plan.make(make_layer, keys, jnp.bfloat16, eqx_lean.fsdp(mesh), None)
+    plan = _core.plan_build(make_layer, keys, jnp.bfloat16, eqx_lean.fsdp(mesh))
     layer_bytes = sum(s.size * s.dtype.itemsize for s in plan.layout.structs)
     bound = 3 * layer_bytes / devices + MiB
-    compiled = _build._compile_writes(plan, keys, make_layer)
-    jax_temps = _temps_with_jax_lowering(plan, keys, make_layer)
+    compiled = _core.compile_writes(plan)
+    jax_temps = _temps_with_jax_lowering(plan)
     for group, executable, jax_temp in zip(plan.groups, compiled, jax_temps, strict=True):
-        analysis = executable.memory_analysis()
+        analysis = _core.memory_analysis(executable)
         shard = sum(
             int(np.prod(s.sharding.shard_shape(s.shape))) * s.dtype.itemsize
             for s in plan.buffer_structs(group)

@@ -8,6 +8,7 @@ from ._build import (
     stack as stack,
     unstack as unstack,
 )
+from ._core import clear_caches as clear_caches, fsdp as fsdp
 from ._io import (
     TensorName as TensorName,
     load_stacked as load_stacked,
@@ -15,8 +16,7 @@ from ._io import (
     save_stacked as save_stacked,
     save_tensors as save_tensors,
 )
-from ._policy import fsdp as fsdp
 from ._scan import NestedRemat as NestedRemat, fold as fold, scan as scan
 
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -1,211 +1,19 @@
 """Memory-lean construction of stacked layers: one layer at a time into preallocated buffers."""
 
-import concurrent.futures
-import ctypes
-import functools
-import itertools
-import os
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, NamedTuple, TypeVar, cast
+from typing import Any, TypeVar
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax import lax
-from jax.sharding import Mesh, NamedSharding, Sharding
+from jax.sharding import Mesh
 from jaxtyping import Array, PRNGKeyArray
 
-from . import _threefry
-from ._policy import (
-    DtypePolicy,
-    ShardingPolicy,
-    check_dtype_policy,
-    has_explicit_axes,
-    is_floating,
-    leaf_dtype,
-    resolve_shardings,
-    stacked_sharding,
-)
+from . import _core, _platform
+from ._core import DtypePolicy, LayerAxis, ShardingPolicy
 
 
 M = TypeVar("M")
-
-_Leaves = tuple[Array, ...]
-
-
-def _is_array_like(x: Any) -> bool:
-    return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
-
-
-def _struct(x: Any) -> jax.ShapeDtypeStruct:
-    if isinstance(x, jax.ShapeDtypeStruct):
-        return x
-    return jax.ShapeDtypeStruct(np.shape(x), x.dtype, weak_type=getattr(x, "weak_type", False))
-
-
-class _Layout(NamedTuple):
-    """How one layer splits into array leaves (stacked) and everything else (kept as is)."""
-
-    paths: tuple[Any, ...]
-    structs: tuple[jax.ShapeDtypeStruct, ...]
-    treedef: Any
-    static: Any
-
-    @classmethod
-    def of(cls, layer: Any) -> "_Layout":
-        dynamic, static = eqx.partition(layer, _is_array_like)
-        path_leaves, treedef = jax.tree_util.tree_flatten_with_path(dynamic)
-        paths = tuple(path for path, _ in path_leaves)
-        structs = tuple(_struct(leaf) for _, leaf in path_leaves)
-        return cls(paths, structs, treedef, static)
-
-    def combine(self, leaves: Sequence[Any]) -> Any:
-        return eqx.combine(jax.tree.unflatten(self.treedef, leaves), self.static)
-
-
-class _StaticSignature:
-    """Hashable stand-in for a layer's non-array part, so traces can check they all agree.
-
-    Equality is by value (falling back to identity for objects that cannot be compared), so the
-    compiled writes are reused across `build_stacked` calls that build the same kind of layer.
-    """
-
-    def __init__(self, layer: Any):
-        self.treedef = jax.tree.structure(layer, is_leaf=_is_array_like)
-        self.leaves = tuple(
-            None if _is_array_like(x) else x for x in jax.tree.leaves(layer, is_leaf=_is_array_like)
-        )
-
-    def __hash__(self) -> int:
-        return hash(self.treedef)
-
-    def __eq__(self, other: object) -> bool:
-        return (
-            isinstance(other, _StaticSignature)
-            and self.treedef == other.treedef
-            and all(_same(a, b) for a, b in zip(self.leaves, other.leaves, strict=True))
-        )
-
-
-def _same(a: Any, b: Any) -> bool:
-    if a is b:
-        return True
-    try:
-        return bool(a == b)
-    except Exception:
-        return False
-
-
-def _static_mismatch_error(expected: _StaticSignature, found: _StaticSignature) -> ValueError:
-    return ValueError(
-        "`make_layer` must return layers whose static and non-array parts are the same for every "
-        "key (whatever differs between layers must be an array leaf), but two calls disagreed: "
-        f"{expected.treedef} with non-array leaves {expected.leaves} versus {found.treedef} with "
-        f"{found.leaves}. Does `make_layer` depend on Python state that changes between calls?"
-    )
-
-
-def _num_layers_of_keys(keys: Any) -> int:
-    if not isinstance(keys, jax.Array | np.ndarray):
-        raise TypeError(
-            "`keys` must be a key array with a leading layer axis, e.g. "
-            f"`jax.random.split(key, num_layers)`; got {type(keys).__name__}."
-        )
-    if jnp.issubdtype(keys.dtype, jax.dtypes.prng_key):
-        expected_ndim = 1
-    else:
-        raw_shape = jax.eval_shape(lambda: jax.random.PRNGKey(0)).shape
-        if keys.dtype != jnp.uint32 or keys.shape[1:] != raw_shape:
-            raise ValueError(
-                "`keys` must be a typed key array of shape (num_layers,) or raw uint32 keys of "
-                f"shape (num_layers, {', '.join(map(str, raw_shape))}) for the configured PRNG "
-                f"implementation; got {keys.dtype}{list(keys.shape)}."
-            )
-        expected_ndim = 1 + len(raw_shape)
-    if keys.ndim != expected_ndim:
-        raise ValueError(
-            "`keys` must have exactly one leading layer axis (one key per layer), e.g. "
-            f"`jax.random.split(key, num_layers)`; got {keys.dtype}{list(keys.shape)}."
-        )
-    if keys.shape[0] == 0:
-        raise ValueError("`keys` must hold at least one key (one per layer); got an empty array.")
-    return keys.shape[0]
-
-
-def _abstract_layer(make_layer: Callable[[PRNGKeyArray], M], keys: Any) -> M:
-    """One layer as `ShapeDtypeStruct`s, from tracing `make_layer` on an abstract key."""
-    key_struct = jax.ShapeDtypeStruct(keys.shape[1:], keys.dtype)
-    static_box = []
-
-    def dynamic_part(key):
-        dynamic, static = eqx.partition(make_layer(key), eqx.is_array)
-        static_box.append(static)
-        return dynamic
-
-    try:
-        dynamic = jax.eval_shape(dynamic_part, key_struct)
-    except Exception as e:
-        raise TypeError(
-            f"`make_layer` failed when called on a traced key ({type(e).__name__}: {e}). "
-            "`make_layer` must be traceable: it is called under `jax.jit` with an abstract key, so "
-            "it must build the layer with JAX operations only (no `int(key)`, `np.asarray(key)`, "
-            "or Python control flow on the key's values)."
-        ) from e
-    return eqx.combine(dynamic, static_box[0])
-
-
-def _target_structs(
-    layout: _Layout, num_layers: int, dtype: DtypePolicy
-) -> tuple[jax.ShapeDtypeStruct, ...]:
-    structs = []
-    for path, leaf in zip(layout.paths, layout.structs, strict=True):
-        target, weak = leaf_dtype(dtype, path, leaf)
-        structs.append(jax.ShapeDtypeStruct((num_layers, *leaf.shape), target, weak_type=weak))
-    return tuple(structs)
-
-
-def _zeros_like_struct(struct: jax.ShapeDtypeStruct) -> Array:
-    if struct.weak_type:
-        # Python scalars are the one public way to make a weakly typed array.
-        zero = jax.dtypes.scalar_type_of(jnp.zeros((), struct.dtype))(0)
-        filled = lax.full(struct.shape, zero)
-        if filled.dtype == struct.dtype:
-            return filled
-    return jnp.zeros(struct.shape, struct.dtype)
-
-
-_Structs = tuple[jax.ShapeDtypeStruct, ...]
-_Shardings = tuple[Sharding | None, ...]
-
-
-@functools.cache
-def _zeros(structs: _Structs, shardings: _Shardings) -> Callable[[], _Leaves]:
-    # Created under `jit` with its output shardings, each device allocates only its shards.
-    return jax.jit(
-        lambda: tuple(_zeros_like_struct(s) for s in structs),
-        out_shardings=tuple(stacked_sharding(s) for s in shardings),
-    )
-
-
-def _allocate(structs: _Structs, shardings: _Shardings) -> _Leaves:
-    """Zero-filled stacked buffers; `shardings` are per layer (the layer axis is replicated)."""
-    return _zeros(structs, shardings)()
-
-
-def _constrain(x: Array, sharding: Sharding | None, *, inside_auto_axes: bool = False) -> Array:
-    """Constrains a traced array to `sharding`, whichever kind of mesh axes it names."""
-    if sharding is None:
-        return x
-    if inside_auto_axes and isinstance(sharding, NamedSharding):
-        return lax.with_sharding_constraint(x, sharding.spec)
-    if has_explicit_axes(sharding):
-        return jax.sharding.reshard(x, sharding)
-    return lax.with_sharding_constraint(x, sharding)
-
-
-def _resolve_shardings(layout: _Layout, sharding: ShardingPolicy, mesh: Any) -> _Shardings:
-    return resolve_shardings(sharding, mesh, layout.paths, layout.structs, layout.treedef)
 
 
 def allocate_stacked(
@@ -215,6 +23,7 @@ def allocate_stacked(
     sharding: ShardingPolicy = None,
     *,
     mesh: Mesh | None = None,
+    layer_axis: LayerAxis = None,
 ) -> M:
     """Allocates zero-filled stacked buffers for `num_layers` copies of a layer.
 
@@ -232,8 +41,11 @@ def allocate_stacked(
         callable `(path, leaf) -> dtype | None` chooses per floating leaf. Integer, boolean,
         complex and key-typed leaves are never cast.
     - `sharding`: each leaf's sharding within one layer, as for [`eqx_lean.build_stacked`][];
-        the layer axis is replicated. Each device allocates only its shards.
-    - `mesh`: the mesh that `PartitionSpec`s in `sharding` refer to.
+        each device allocates only its shards.
+    - `mesh`: the mesh that `PartitionSpec`s in `sharding` refer to (default: the one set by
+        `jax.set_mesh`, if any).
+    - `layer_axis`: the mesh axis (or axes) to shard the layer axis itself over, for pipeline
+        stages; `None` (the default) replicates it, as `fold` and `scan` expect.
 
     **Returns:**
 
@@ -242,313 +54,39 @@ def allocate_stacked(
     """
     if not isinstance(num_layers, int | np.integer) or num_layers < 1:
         raise ValueError(f"`num_layers` must be a positive integer; got {num_layers!r}.")
-    layout = _Layout.of(abstract_layer)
-    structs = _target_structs(layout, int(num_layers), check_dtype_policy(dtype))
-    return layout.combine(_allocate(structs, _resolve_shardings(layout, sharding, mesh)))
+    layout = _core.Layout.of(abstract_layer)
+    structs = _core.target_structs(layout, int(num_layers), _core.check_dtype_policy(dtype))
+    per_layer = tuple(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in layout.structs)
+    shardings = _core.resolve_shardings(sharding, mesh, layout.paths, per_layer, layout.treedef)
+    found = _core.current_mesh(mesh) or next(
+        (s.mesh for s in shardings if isinstance(s, jax.sharding.NamedSharding)), None
+    )
+    axes = _core.check_layer_axis(layer_axis, found, int(num_layers))
+    stacked = _core.stacked_shardings(layout.paths, shardings, axes, found)
+    return layout.combine(_core.allocate(structs, stacked))
 
 
-def _leaf_groups(structs: Sequence[jax.ShapeDtypeStruct]) -> tuple[tuple[int, ...], ...]:
-    """Groups leaf indices so that no group builds more than the largest leaf does.
-
-    XLA removes whatever a compiled function does not return, so a write that returns one group
-    of leaves creates (and draws random numbers for) only those leaves: the group bounds the
-    temporaries. Small leaves share a group to keep the number of compiled functions low.
-    """
-    if not structs:
-        return ()
-    sizes = [int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize for s in structs]
-    budget = max(sizes)
-    groups: list[list[int]] = []
-    totals: list[int] = []
-    for index in sorted(range(len(structs)), key=lambda j: -sizes[j]):
-        for g, total in enumerate(totals):
-            if total + sizes[index] <= budget:
-                groups[g].append(index)
-                totals[g] += sizes[index]
-                break
-        else:
-            groups.append([index])
-            totals.append(sizes[index])
-    return tuple(tuple(sorted(g)) for g in groups)
+def _runs(num_layers: int, per_call: int, progress: bool) -> Iterator[tuple[int, int]]:
+    """`(start, stop)` of each run of layers one call writes, advancing a progress bar."""
+    bar = _progress_bar(num_layers) if progress else None
+    for start in range(0, num_layers, per_call):
+        stop = min(start + per_call, num_layers)
+        yield start, stop
+        if bar is not None:
+            bar.update(stop - start)
+    if bar is not None:
+        bar.close()
 
 
-def _layer_leaves(
-    make_layer: Callable[[PRNGKeyArray], Any], key: Any, signature: _StaticSignature
-) -> list[Array]:
-    layer = make_layer(key)
-    found = _StaticSignature(layer)
-    if found != signature:
-        raise _static_mismatch_error(signature, found)
-    return [jnp.asarray(x) for x in jax.tree.leaves(eqx.filter(layer, eqx.is_array))]
-
-
-class _Group(NamedTuple):
-    """Which leaves one compiled write builds, and their per-layer shardings."""
-
-    leaves: tuple[int, ...]
-    shardings: _Shardings
-
-
-def _write_layer(
-    buffers: _Leaves,
-    keys: Any,
-    index: Any,
-    make_layer: Callable[[PRNGKeyArray], Any],
-    signature: _StaticSignature,
-    group: _Group,
-) -> _Leaves:
-    explicit = any(has_explicit_axes(s) for s in group.shardings)
-
-    def write(buffers, keys, index):
-        leaves = _layer_leaves(make_layer, keys[index], signature)
-        return tuple(
-            # Constraining the fresh leaf makes each device build only its shard of it.
-            _write_slice_traced(buffer, _constrain(leaves[j], s, inside_auto_axes=explicit), index)
-            for buffer, j, s in zip(buffers, group.leaves, group.shardings, strict=True)
-        )
-
-    if not explicit:
-        return write(buffers, keys, index)
-    # With Explicit mesh axes, a layer built outside `auto_axes` would be replicated first.
-    out_sharding = tuple(stacked_sharding(s) for s in group.shardings)
-    write_auto = cast(Any, jax.sharding.auto_axes(write, out_sharding=out_sharding))
-    return write_auto(buffers, keys, index)
-
-
-def _write_slice_traced(buffer: Array, value: Array, index: Any) -> Array:
-    """`buffer` with slice `index` of its leading axis set to `value` cast to its dtype."""
-    if buffer.weak_type:
-        # dynamic_update_slice always returns a strong type; a select of weak operands keeps
-        # the weak type (weakly typed leaves are small: scalars broadcast from Python numbers).
-        is_slice = lax.broadcasted_iota(jnp.int32, buffer.shape, 0) == index
-        return jnp.where(is_slice, value[None], buffer)
-    return update_rows(buffer, value[None], index)
-
-
-def as_bits(x: Array) -> Array:
-    """`x` reinterpreted as unsigned integers of the same width (a free bitcast)."""
-    return lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
-
-
-def update_rows(buffer: Array, value: Array, start: Any) -> Array:
-    """`buffer` with rows `start : start + len(value)` of its leading axis set to `value`, cast."""
-    value = value.astype(buffer.dtype)
-    if not is_floating(buffer.dtype):
-        return lax.dynamic_update_slice_in_dim(buffer, value, start, 0)
-    # XLA:CPU updates bfloat16 in place several times slower than unsigned integers of the same
-    # width (about 20 % of a fused draw-and-write, 8x of a plain copy), so the update moves bits;
-    # the bitcasts are free and keep a donated buffer aliased.
-    updated = lax.dynamic_update_slice_in_dim(as_bits(buffer), as_bits(value), start, 0)
-    return lax.bitcast_convert_type(updated, buffer.dtype)
-
-
-def _write_layers(
-    buffers: _Leaves,
-    keys: Any,
-    start: Any,
-    stop: Any,
-    make_layer: Callable[[PRNGKeyArray], Any],
-    signature: _StaticSignature,
-    group: _Group,
-) -> _Leaves:
-    """Writes layers `start, ..., stop - 1` of one group, one after another, in a loop."""
-
-    def body(i: Any, buffers: _Leaves) -> _Leaves:
-        return _write_layer(buffers, keys, i, make_layer, signature, group)
-
-    return lax.fori_loop(start, stop, body, buffers)
-
-
-# The bounds are traced, so each group compiles once whatever the number of layers per call.
-# Loop-invariant code motion would hoist the layer's loop-invariant values (Threefry's counters,
-# as large as the leaf) out of the loop and materialise them: with the draws fused, 28 MiB
-# instead of 2 KiB for the default bench's MLP writes, 448 MiB instead of 1 KiB for Mistral-7B's.
-_write_layers_donated = jax.jit(
-    _write_layers,
-    static_argnums=(4, 5, 6),
-    donate_argnums=0,
-    compiler_options={"xla_disable_hlo_passes": "while-loop-invariant-code-motion"},
-)
-
-
-def _fill_traced(
-    buffers: list[Array],
-    keys: Any,
-    make_layer: Callable[[PRNGKeyArray], Any],
-    signature: _StaticSignature,
-    groups: tuple[_Group, ...],
-) -> None:
-    """Fills the buffers with one `fori_loop` per group, for use inside an outer trace."""
-    for group in groups:
-        filled = _write_layers(
-            tuple(buffers[j] for j in group.leaves),
-            keys,
-            0,
-            keys.shape[0],
-            make_layer,
-            signature,
-            group,
-        )
-        for j, buffer in zip(group.leaves, filled, strict=True):
-            buffers[j] = buffer
-
-
-def _fill_eager(
-    buffers: list[Array],
-    keys: Any,
-    writes: Sequence[jax.stages.Compiled],
-    groups: tuple[_Group, ...],
-    layers: Iterator[int],
-    layers_per_call: int,
-) -> None:
-    """Fills the buffers by calling each group's compiled, donating write on runs of layers.
-
-    A call allocates its temporaries once for all the layers it writes. Each call's
-    temporaries are fresh pages that the kernel must zero, so writing a run of small layers per
-    call instead of one saves that system time (about a fifth of the build on XLA:CPU).
-    """
-    while run := list(itertools.islice(layers, layers_per_call)):
-        start, stop = run[0], run[-1] + 1
-        for group, write in zip(groups, writes, strict=True):
-            filled = write(tuple(buffers[j] for j in group.leaves), keys, start, stop)
-            for j, buffer in zip(group.leaves, filled, strict=True):
-                buffers[j] = buffer
-            # Dispatch is asynchronous and the groups are independent: without waiting, several
-            # writes run at once and their temporaries add up.
-            jax.block_until_ready(filled)
-            release_freed_host_memory()
-
-
-# Runs of layers are cut so that one call writes about this many bytes of the stack.
-_BYTES_PER_CALL = 256 * 2**20
-
-
-def _layers_per_call(plan: "_Plan", num_layers: int) -> int:
-    stack_bytes = sum(s.size * np.dtype(s.dtype).itemsize for s in plan.structs)
-    return max(1, min(num_layers, _BYTES_PER_CALL * num_layers // max(stack_bytes, 1)))
-
-
-class _Plan(NamedTuple):
-    """Everything `build_stacked` derives from its arguments before it allocates."""
-
-    layout: _Layout
-    signature: _StaticSignature
-    structs: _Structs
-    shardings: _Shardings
-    groups: tuple[_Group, ...]
-
-    @classmethod
-    def make(
-        cls,
-        make_layer: Callable[[PRNGKeyArray], Any],
-        keys: Any,
-        dtype: DtypePolicy,
-        sharding: ShardingPolicy,
-        mesh: Mesh | None,
-    ) -> "_Plan":
-        num_layers = _num_layers_of_keys(keys)
-        dtype = check_dtype_policy(dtype)
-        abstract = _abstract_layer(make_layer, keys)
-        layout = _Layout.of(abstract)
-        shardings = _resolve_shardings(layout, sharding, mesh)
-        groups = tuple(
-            _Group(leaves, tuple(shardings[j] for j in leaves))
-            for leaves in _leaf_groups(layout.structs)
-        )
-        structs = _target_structs(layout, num_layers, dtype)
-        return cls(layout, _StaticSignature(abstract), structs, shardings, groups)
-
-    def buffer_structs(self, group: _Group) -> _Structs:
-        return tuple(
-            jax.ShapeDtypeStruct(
-                self.structs[j].shape,
-                self.structs[j].dtype,
-                weak_type=self.structs[j].weak_type,
-                sharding=stacked_sharding(self.shardings[j]),
-            )
-            for j in group.leaves
-        )
-
-
-def _compile_writes(plan: _Plan, keys: Any, make_layer: Callable[[PRNGKeyArray], Any]) -> list[Any]:
-    """Compiles the write of every group (a cache hit when built before) and returns them.
-
-    Threefry is lowered unrolled, so that each draw fuses into the write of its leaf instead of
-    materialising the random bits (see `_threefry`).
-    """
-    index = jax.ShapeDtypeStruct((), jnp.int32, weak_type=True)
-    lowered = [
-        _threefry.lower(
-            _write_layers_donated.trace(
-                plan.buffer_structs(group), keys, index, index, make_layer, plan.signature, group
-            )
-        )
-        for group in plan.groups
-    ]
-    # XLA compiles without the GIL, so the groups' writes compile side by side.
-    workers = max(1, min(len(lowered), os.cpu_count() or 1))
-    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        return list(pool.map(lambda x: x.compile(), lowered))
-
-
-def write_temp_bytes(
-    make_layer: Callable[[PRNGKeyArray], Any],
-    keys: PRNGKeyArray,
-    dtype: DtypePolicy = None,
-    sharding: ShardingPolicy = None,
-    *,
-    mesh: Mesh | None = None,
-) -> list[int]:
-    """XLA temporary bytes (per device) of each compiled per-layer write, largest first."""
-    plan = _Plan.make(make_layer, keys, dtype, sharding, mesh)
-    compiled = _compile_writes(plan, keys, make_layer)
-    return sorted((c.memory_analysis().temp_size_in_bytes for c in compiled), reverse=True)
-
-
-@functools.cache
-def _malloc_trim() -> Callable[[int], int] | None:
-    try:
-        return ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):
-        return None
-
-
-def release_freed_host_memory() -> None:
-    """Returns memory that glibc's allocator holds but no longer uses to the operating system.
-
-    XLA's CPU temporaries are freed after every write, but glibc keeps freed heap chunks (and
-    raises its mmap threshold after the first large free), so without this the resident size
-    creeps up by one write's temporaries every few layers. A no-op off glibc.
-    """
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
-
-
-def _inside_trace() -> bool:
-    try:
-        from jax._src.core import trace_state_clean
-    except ImportError:  # pragma: no cover - depends on JAX internals
-        return False
-    return not trace_state_clean()
-
-
-def _progress(num_layers: int, enabled: bool) -> Iterator[int]:
-    if not enabled:
-        return iter(range(num_layers))
+def _progress_bar(num_layers: int) -> Any:
     try:
         from tqdm.auto import tqdm
     except ImportError as e:
         raise ImportError(
-            "`progress=True` needs tqdm: `pip install tqdm` (or `pip install eqx_lean[progress]`)."
+            "`progress=True` needs tqdm: `pip install tqdm`, or from a checkout of eqx_lean "
+            '`pip install ".[progress]"`.'
         ) from e
-    return iter(tqdm(range(num_layers), desc="build_stacked", unit="layer"))
-
-
-def _delete(arrays: Sequence[Any]) -> None:
-    for x in arrays:
-        if isinstance(x, jax.Array) and not x.is_deleted():
-            x.delete()
+    return tqdm(total=num_layers, desc="build_stacked", unit="layer")
 
 
 def build_stacked(
@@ -568,17 +106,27 @@ def build_stacked(
     but it never holds more than the final stack plus the temporaries of one layer's largest
     leaf: buffers are preallocated in the target dtype, and each layer is built by a compiled
     write (the layer index is traced, so it compiles once whatever `L` is) that donates the
-    stacked buffers and updates them in place. The writes lower JAX's Threefry hash unrolled
-    (as JAX does on GPU and TPU, not on CPU), so each random draw fuses into the write of its
-    rows and needs no temporaries at all; only what cannot fuse (a QR, a reduction over a
-    leaf) costs the temporaries of one group of leaves, no larger than the largest leaf.
+    stacked buffers and updates them in place. On CPU the writes lower JAX's Threefry hash
+    unrolled (as JAX does on GPU and TPU), so each random draw fuses into the write of its rows
+    and needs no temporaries at all; only what cannot fuse (a QR, a reduction over a leaf)
+    costs the temporaries of one group of leaves, no larger than the largest leaf.
 
     ```python
     keys = jax.random.split(jax.random.key(0), 32)
     blocks = eqx_lean.build_stacked(lambda k: Block(config, key=k), keys, jnp.bfloat16)
     ```
 
-    Inside an outer trace (`jax.jit`, `eqx.filter_eval_shape`, ...) the layers are written by a
+    **Compiled writes are reused by content.** `make_layer` is traced afresh on every call,
+    and the compiled writes are looked up by what it traced to (its equations, the Python values
+    it read, the shapes, dtypes and shardings) and by the settings that change random values
+    (`jax_threefry_partitionable`, x64, the PRNG implementation, the matmul precision): a new
+    `lambda k: Block(config, key=k)` of the same content compiles nothing, and a changed Python
+    value gives a new program. Arrays `make_layer` closes over are passed to the writes as
+    arguments, so their current values are used and nothing keeps them alive after the call.
+    `eqx_lean.clear_caches()` forgets the compiled writes.
+
+    Inside an outer trace (`jax.jit`, `eqx.filter_eval_shape`, or `vmap`/`grad` when `keys` or
+    the arrays `make_layer` closes over are traced) the layers are written by a
     `lax.fori_loop`, so the trace holds one copy of `make_layer` whatever `L` is. There the
     outer `jit` lowers the draws, with JAX's own Threefry: on CPU the loops then carry its
     temporaries (96 MiB for four layers of one 16 MiB float32 matrix, against 18 KiB for the
@@ -589,7 +137,7 @@ def build_stacked(
     - `make_layer`: builds one layer from a key, e.g. `lambda k: eqx.nn.MLP(..., key=k)`. It is
         traced with an abstract key, so it must use JAX operations on the key only. Its output
         may be any Equinox module or pytree; whatever differs between layers must be an array
-        leaf, and the static and non-array parts must be the same for every key.
+        leaf.
     - `keys`: one key per layer: a typed key array of shape `(L,)` or raw `uint32` keys of shape
         `(L, 2)` (for the default Threefry implementation).
     - `dtype`: `None` keeps the dtypes `make_layer` produces; a floating dtype (such as
@@ -606,8 +154,10 @@ def build_stacked(
         mesh. Buffers are allocated directly sharded and each layer is built sharded, so no
         device holds more than its shards of the stack plus its shard of one layer. Meshes with
         `Auto` or `Explicit` axes both work; with `Explicit` axes, call `build_stacked` inside
-        an outer `jax.jit` only within `jax.set_mesh(mesh)`, as JAX requires.
-    - `mesh`: the `jax.sharding.Mesh` that `PartitionSpec`s in `sharding` refer to.
+        an outer `jax.jit` only within `jax.set_mesh(mesh)`, as JAX requires. `sharding=` has
+        this meaning in every function of eqx_lean that takes it.
+    - `mesh`: the `jax.sharding.Mesh` that `PartitionSpec`s in `sharding` refer to (default:
+        the mesh set by `jax.set_mesh`, if any).
     - `progress`: show a tqdm progress bar over the layers (needs `tqdm`).
 
     **Returns:**
@@ -615,40 +165,69 @@ def build_stacked(
     A layer of the same type as `make_layer`'s output, each array leaf stacked on a new leading
     axis of length `L`, static fields intact.
     """
-    plan = _Plan.make(make_layer, keys, dtype, sharding, mesh)
-    if _inside_trace():
-        buffers = [
-            _constrain(_zeros_like_struct(struct), stacked_sharding(s))
-            for struct, s in zip(plan.structs, plan.shardings, strict=True)
-        ]
-        _fill_traced(buffers, keys, make_layer, plan.signature, plan.groups)
-        return plan.layout.combine(buffers)
+    plan = _core.plan_build(make_layer, keys, dtype, sharding, mesh)
+    if _core.is_traced(plan, keys):
+        return plan.layout.combine(_core.fill_traced(plan, keys))
 
     # Compiling before the buffers exist keeps the compiler's own transient memory from
     # stacking on top of the final model in the peak.
-    writes = _compile_writes(plan, keys, make_layer)
-    release_freed_host_memory()
-    buffers = list(_allocate(plan.structs, plan.shardings))
-    layers = _progress(len(keys), progress)
+    writes = _core.compile_writes(plan)
+    _platform.release_freed_host_memory(_platform.Tricks.for_platform(plan.platform))
+    buffers = list(_core.allocate(plan.structs, plan.stacked_shardings()))
     try:
-        per_call = _layers_per_call(plan, len(keys))
-        _fill_eager(buffers, keys, writes, plan.groups, layers, per_call)
+        runs = _runs(plan.num_layers, _core.layers_per_call(plan), progress)
+        _core.fill(plan, buffers, keys, writes, runs)
     except BaseException:
-        _delete(buffers)
+        _core.delete_arrays(buffers)
         raise
     return plan.layout.combine(buffers)
 
 
-def _check_same_layout(layers: Sequence[Any], layouts: Sequence[_Layout]) -> None:
-    first_signature = _StaticSignature(layers[0])
+def _first_difference(a: Any, b: Any) -> str:
+    """Where two layers' structures or static parts first differ, as a sentence."""
+    a_leaves = jax.tree_util.tree_flatten_with_path(a, is_leaf=_core.is_array_like)[0]
+    b_leaves = jax.tree_util.tree_flatten_with_path(b, is_leaf=_core.is_array_like)[0]
+    a_paths = [p for p, _ in a_leaves]
+    b_paths = [p for p, _ in b_leaves]
+    for path in a_paths:
+        if path not in b_paths:
+            return f"it has no leaf at {jax.tree_util.keystr(path)}"
+    for path in b_paths:
+        if path not in a_paths:
+            return f"it has an extra leaf at {jax.tree_util.keystr(path)}"
+    for (path, x), (_, y) in zip(a_leaves, b_leaves, strict=True):
+        if _core.is_array_like(x) != _core.is_array_like(y):
+            kinds = [("an array" if _core.is_array_like(v) else repr(v)) for v in (x, y)]
+            return (
+                f"at {jax.tree_util.keystr(path)} it has {kinds[1]} where the first has {kinds[0]}"
+            )
+        if not _core.is_array_like(x) and not _same(x, y):
+            return f"at {jax.tree_util.keystr(path)} it has {y!r} where the first has {x!r}"
+    return (
+        f"their pytree nodes differ ({jax.tree.structure(a, is_leaf=_core.is_array_like)} versus "
+        f"{jax.tree.structure(b, is_leaf=_core.is_array_like)})"
+    )
+
+
+def _same(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    try:
+        return bool(a == b)
+    except Exception:
+        return False
+
+
+def _check_same_layout(layers: Sequence[Any], layouts: Sequence[_core.Layout]) -> None:
+    first = layouts[0]
     for i, (layer, layout) in enumerate(zip(layers, layouts, strict=True)):
-        if _StaticSignature(layer) != first_signature:
+        structure_differs = layout.treedef != first.treedef or not _same_static(layout, first)
+        if structure_differs:
             raise ValueError(
                 f"`layers` must all have the same structure and static parts, but `layers[{i}]` "
-                f"differs from `layers[0]`: {jax.tree.structure(layer)} versus "
-                f"{jax.tree.structure(layers[0])}."
+                f"differs from `layers[0]`: {_first_difference(layers[0], layer)}."
             )
-        for path, a, b in zip(layout.paths, layout.structs, layouts[0].structs, strict=True):
+        for path, a, b in zip(layout.paths, layout.structs, first.structs, strict=True):
             if a.shape != b.shape or a.dtype != b.dtype:
                 raise ValueError(
                     f"`layers` must have leaves of equal shape and dtype, but leaf "
@@ -657,7 +236,12 @@ def _check_same_layout(layers: Sequence[Any], layouts: Sequence[_Layout]) -> Non
                 )
 
 
-_write_slice = jax.jit(_write_slice_traced, donate_argnums=0)
+def _same_static(a: _core.Layout, b: _core.Layout) -> bool:
+    a_leaves = jax.tree.leaves(a.static)
+    b_leaves = jax.tree.leaves(b.static)
+    if jax.tree.structure(a.static) != jax.tree.structure(b.static):
+        return False
+    return all(_same(x, y) for x, y in zip(a_leaves, b_leaves, strict=True))
 
 
 def stack(layers: Sequence[M], dtype: DtypePolicy = None, *, consume: bool = False) -> M:
@@ -682,37 +266,23 @@ def stack(layers: Sequence[M], dtype: DtypePolicy = None, *, consume: bool = Fal
     """
     if isinstance(layers, eqx.Module) or not isinstance(layers, Sequence) or len(layers) == 0:
         raise ValueError("`layers` must be a non-empty list or tuple of layers.")
-    dtype = check_dtype_policy(dtype)
-    layouts = [_Layout.of(layer) for layer in layers]
+    dtype = _core.check_dtype_policy(dtype)
+    layouts = [_core.Layout.of(layer) for layer in layers]
     _check_same_layout(layers, layouts)
     layout = layouts[0]
-    structs = _target_structs(layout, len(layers), dtype)
+    structs = _core.target_structs(layout, len(layers), dtype)
     sources = [jax.tree.leaves(eqx.filter(layer, eqx.is_array)) for layer in layers]
     last_use = {id(x): (i, j) for i, leaves in enumerate(sources) for j, x in enumerate(leaves)}
 
     stacked = []
     for j, struct in enumerate(structs):
-        buffer = _allocate((struct,), (None,))[0]
+        buffer = _core.allocate((struct,), (None,))[0]
         for i, leaves in enumerate(sources):
-            buffer = _write_slice(buffer, leaves[j], i)
+            buffer = _core.write_layer(buffer, leaves[j], i)
             if consume and last_use[id(leaves[j])] == (i, j):
-                _delete([leaves[j]])
+                _core.delete_arrays([leaves[j]])
         stacked.append(buffer)
     return layout.combine(stacked)
-
-
-def _num_layers_of_stack(dynamic: Any) -> int:
-    leaves = jax.tree.leaves(dynamic)
-    if not leaves:
-        raise ValueError("`stacked` has no array leaves, so it has no layer axis.")
-    lengths = {np.shape(x)[0] if np.ndim(x) else None for x in leaves}
-    (length,) = lengths if len(lengths) == 1 else (None,)
-    if length is None:
-        raise ValueError(
-            "`stacked` must have one leading layer axis of the same length on every array leaf; "
-            f"found leading axes {sorted(str(n) for n in lengths)}."
-        )
-    return length
 
 
 def layer_at(stacked: M, index: int | Array) -> M:
@@ -730,7 +300,7 @@ def layer_at(stacked: M, index: int | Array) -> M:
     The layer: every array leaf indexed at `index` on its leading axis, static fields intact.
     """
     dynamic, static = eqx.partition(stacked, eqx.is_array)
-    num_layers = _num_layers_of_stack(dynamic)
+    num_layers = _core.num_layers_of_stack(dynamic)
     if isinstance(index, int | np.integer) and not -num_layers <= index < num_layers:
         raise IndexError(f"`index` must be in [{-num_layers}, {num_layers}); got {index}.")
     return eqx.combine(jax.tree.map(lambda x: x[index], dynamic), static)
@@ -748,4 +318,4 @@ def unstack(stacked: M) -> list[M]:
     A list of `L` layers, layer `i` holding slice `i` of every array leaf.
     """
     dynamic, _ = eqx.partition(stacked, eqx.is_array)
-    return [layer_at(stacked, i) for i in range(_num_layers_of_stack(dynamic))]
+    return [layer_at(stacked, i) for i in range(_core.num_layers_of_stack(dynamic))]

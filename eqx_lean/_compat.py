@@ -1,13 +1,15 @@
 """Every use of private JAX API in eqx_lean, each version-gated, each with a public fallback.
 
 A private API is used only on the JAX series it was tested with (`TESTED_JAX_SERIES`) and only
-where it is found; anywhere else the fallback runs: the same values, at a cost in memory or
-speed that the docstring of each accessor states. `EQX_LEAN_NO_PRIVATE_JAX=1` in the
-environment (read at import) or `without_private_jax()` (for tests) forces every fallback.
+where it is found; anywhere else the fallback runs: the same values (bit for bit unless the
+accessor's docstring says otherwise), at a cost in memory or speed that the docstring states.
+`EQX_LEAN_NO_PRIVATE_JAX=1` in the environment (read at import) or `without_private_jax()` (for
+tests) forces every fallback.
 """
 
 import contextlib
 import functools
+import inspect
 import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -36,6 +38,70 @@ def without_private_jax() -> Iterator[None]:
         yield
     finally:
         _forced_off = before
+
+
+# --- lowering-rule overrides ------------------------------------------------------------------
+
+
+@functools.cache
+def _lowering_api() -> Any | None:
+    """JAX's `mlir` module if it has what overriding lowering rules takes; `None` otherwise.
+
+    `Traced.lower(_private_parameters=...)` is how `jax.export` passes its own lowering rules;
+    `mlir.lower_fun` turns a JAX function into a lowering rule. Neither is public API.
+    """
+    if "_private_parameters" not in inspect.signature(jax.stages.Traced.lower).parameters:
+        return None
+    try:
+        from jax.interpreters import mlir
+    except ImportError:
+        return None
+    if not (hasattr(mlir, "lower_fun") and hasattr(mlir, "LoweringParameters")):
+        return None
+    return mlir
+
+
+# One `LoweringParameters` per set of rules for the whole process: JAX's compilation cache keys
+# on the object, so a fresh one per call would compile every program again.
+@functools.cache
+def _override_parameters(rules: tuple[tuple[Any, Callable[..., Any]], ...]) -> Any:
+    mlir = _lowering_api()
+    assert mlir is not None
+    lowered = tuple((p, mlir.lower_fun(fn, multiple_results=True)) for p, fn in rules)
+    return mlir.LoweringParameters(override_lowering_rules=lowered)
+
+
+def can_override_lowering() -> bool:
+    """Whether `lower_with_overrides` applies its rules on this JAX (else it lowers as usual)."""
+    return private_jax_allowed() and _lowering_api() is not None
+
+
+def lower_with_overrides(
+    traced: jax.stages.Traced,
+    rules: Sequence[tuple[Any, Callable[..., Any]]],
+    lowering_platforms: tuple[str, ...] | None = None,
+) -> jax.stages.Lowered:
+    """Lowers `traced` with each primitive in `rules` lowered as the given JAX function.
+
+    Fallback (another JAX series, or private JAX forced off): `traced.lower()`, JAX's own rules.
+    Callers must only pass rules that compute the same values as JAX's, so that both paths agree.
+
+    **Arguments:**
+
+    - `traced`: the result of `jax.jit(f).trace(*args)`.
+    - `rules`: pairs `(primitive, function)`; the function takes and returns the primitive's
+        operands and results as a sequence (`multiple_results=True`). Pass the same function
+        objects every time: they are part of the compilation cache's key.
+    - `lowering_platforms`: as for `jax.stages.Traced.lower`.
+
+    **Returns:**
+
+    The `jax.stages.Lowered` program.
+    """
+    if not can_override_lowering():
+        return traced.lower(lowering_platforms=lowering_platforms)
+    parameters = _override_parameters(tuple(rules))
+    return traced.lower(lowering_platforms=lowering_platforms, _private_parameters=parameters)
 
 
 # --- linear functions with a custom transpose -------------------------------------------------
@@ -186,7 +252,8 @@ def linear_call_with_transpose(
     `jax.custom_derivatives.linear_call`.
 
     Fallback (another JAX series, or private JAX forced off): `fun` is called directly and JAX
-    derives its transpose: the same values, at the memory cost of JAX's own transpose.
+    derives its transpose: the same values up to float rounding (the two transposes may sum
+    in another order), at the memory cost of JAX's own transpose.
 
     **Arguments:**
 

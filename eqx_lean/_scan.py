@@ -14,8 +14,9 @@ from jax import lax
 from jax.custom_derivatives import SymbolicZero
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
-from . import _compat
-from ._build import _num_layers_of_stack
+from . import _compat, _platform
+from ._core import num_layers_of_stack
+from ._gather import Gather, gather_targets, gathered_step, tie_gradient_shardings
 from ._scan_grad import SAVE_ALL, differentiated_by_index
 
 
@@ -136,6 +137,26 @@ def _check_xs(xs: Any, num_layers: int) -> None:
             )
 
 
+def _check_stacked(stacked: Any) -> None:
+    """Refuses a Python sequence of separate layers, the usual mistake, with what to do."""
+    if not (isinstance(stacked, list | tuple) and stacked):
+        return
+    if not all(isinstance(x, eqx.Module) for x in stacked):
+        return
+    if isinstance(stacked, tuple):
+        # A tuple of stacked modules is a valid pytree; a tuple of separate layers is not.
+        try:
+            num_layers_of_stack(eqx.filter(stacked, eqx.is_array))
+            return
+        except ValueError:
+            pass
+    raise TypeError(
+        f"`stacked` must be one module whose array leaves carry a leading layer axis; got a "
+        f"{type(stacked).__name__} of {len(stacked)} separate layers. Stack them first with "
+        "`eqx_lean.stack(layers)` (or build them with `eqx_lean.build_stacked`)."
+    )
+
+
 def _layer_step(
     static: Any, call: Callable[..., tuple[Any, Any]], carry_name: str
 ) -> Callable[[Any, Any, Any], tuple[Any, Any]]:
@@ -246,11 +267,12 @@ def _scan_by_index(
     on it out of the loop: on CPU, where slicing bfloat16 is done in float32, that is a float32
     copy of the whole stack (2x its size in temporaries). Tying the stack to the loop index
     with an optimisation barrier keeps every conversion inside the loop, one layer at a time.
+    The barrier is lowered on CPU only (`_platform.barrier_on_cpu`), where it was measured.
     """
 
     def body(state: tuple[Any, Array], x: Any) -> tuple[tuple[Any, Array], Any]:
         carry, i = state
-        layers, at = lax.optimization_barrier((dynamic, i))
+        layers, at = _platform.barrier_on_cpu((dynamic, i))
         layer = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, at, keepdims=False), layers)
         carry, y = step(layer, carry, x)
         return (carry, i + 1), y
@@ -298,6 +320,17 @@ def _layer_slice(tree: Any) -> Any:
     return jax.tree.map(lambda a: lax.index_in_dim(a, 0, keepdims=False), tree)
 
 
+def _empty_scan(step: Callable[..., tuple[Any, Any]], dynamic: Any, carry: Any, xs: Any) -> Any:
+    """What `lax.scan` and a Python loop give for zero layers: the carry, and empty `ys`."""
+
+    def one_layer(leaf: Any) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(jnp.shape(leaf)[1:], jnp.result_type(leaf))
+
+    layer, x = jax.tree.map(one_layer, (dynamic, xs))
+    _, ys = jax.eval_shape(step, layer, carry, x)
+    return carry, jax.tree.map(lambda y: jnp.zeros((0, *y.shape), y.dtype), ys)
+
+
 def _hoist_closure(
     step: Callable[[Any, Any, Any], tuple[Any, Any]], dynamic: Any, carry: Any, xs: Any
 ) -> tuple[Callable[[list[Array], Any, Any, Any], tuple[Any, Any]], list[Array]]:
@@ -327,12 +360,19 @@ def _scan(
     remat: Remat,
     unroll: int | bool,
     carry_name: str,
+    gather: Gather = True,
 ) -> tuple[Any, Any]:
     _check_remat(remat)
+    _check_stacked(stacked)
     dynamic, static = eqx.partition(stacked, eqx.is_array)
-    num_layers = _num_layers_of_stack(dynamic)
+    num_layers = num_layers_of_stack(dynamic)
     _check_xs(xs, num_layers)
-    step_with, consts = _hoist_closure(_layer_step(static, call, carry_name), dynamic, carry, xs)
+    targets = gather_targets(dynamic, gather)
+    step = gathered_step(_layer_step(static, call, carry_name), targets)
+    if num_layers == 0:
+        return _empty_scan(step, dynamic, carry, xs)
+    dynamic = tie_gradient_shardings(dynamic, targets)
+    step_with, consts = _hoist_closure(step, dynamic, carry, xs)
     if remat == "nested":
         remat = NestedRemat()
 
@@ -364,8 +404,9 @@ def _scan(
             step_with, primal, (consts, dynamic, carry, xs), num_layers, policy, group_size, unroll
         )
 
-    # Differentiating the index-sliced loop would accumulate the stack's cotangent as a
-    # loop-carried, stack-sized sum; the scan over `xs` stacks per-layer cotangents instead.
+    # The public fallback: JAX differentiates a scan over the stack as `xs`, whose backward pass
+    # stacks the per-layer cotangents (its transpose of the index-reading loop would carry a
+    # stack-sized sum of them from layer to layer).
     return _differentiated_as(primal, differentiable, (consts, dynamic, carry, xs))
 
 
@@ -377,6 +418,7 @@ def scan(
     call: Callable[[Any, Carry, Any], tuple[Carry, Y]],
     remat: Remat = None,
     unroll: int | bool = 1,
+    gather: Gather = True,
 ) -> tuple[Carry, Y]:
     """Runs the layers of a stacked module one after another, threading a carry through them.
 
@@ -420,11 +462,27 @@ def scan(
     **Random keys.** Pass one key per layer in `xs`, e.g.
     `xs=(cache, jax.random.split(key, L))`, or use [`eqx_lean.fold`][]'s `key=`.
 
+    **Sharded stacks (ZeRO-3).** A stack sharded within each layer, such as one built with
+    `eqx_lean.build_stacked(..., sharding=eqx_lean.fsdp(mesh))`, runs with the layer's code
+    unchanged: inside the loop, each layer's parameters are gathered just before the layer
+    runs, to the sharding its computation needs (by default replicated over the mesh), so
+    each device holds the stack's shard plus about one gathered layer. This works on meshes
+    with Explicit axes (`jax.make_mesh`'s default; the layer is resharded with
+    `jax.sharding.reshard`) and with Auto axes (`jax.lax.with_sharding_constraint`), and the
+    carry keeps its own sharding, such as a batch sharded over the same mesh axis (data
+    parallel). Differentiated, each layer's gradient comes back in the stack's own sharding (a
+    reduce-scatter), and the gathered parameters are never saved for the backward pass,
+    whatever `remat` is: the backward pass gathers each layer again. Differentiating eagerly
+    (outside `jax.jit`) on Explicit axes needs the mesh as context, `with jax.set_mesh(mesh):`,
+    as JAX requires of any eager gradient there. With Auto axes, placing the gradient needs a
+    custom VJP, so forward-mode differentiation (`jax.jvp`, `jax.jacfwd`) with respect to the
+    stack's own parameters needs `gather=False`.
+
     **Arguments:**
 
     - `stacked`: a module whose array leaves share a leading layer axis of length `L`, such as
-        the output of [`eqx_lean.build_stacked`][]. Leaves may be sharded within each layer; the
-        layer axis itself should not be sharded.
+        the output of [`eqx_lean.build_stacked`][]. Leaves may be sharded within each layer
+        (see `gather`); the layer axis itself should not be sharded.
     - `carry`: the initial carry, a pytree of arrays.
     - `xs`: per-layer inputs: `None`, or a pytree of arrays each with leading axis `L`; layer
         `i` receives the slice `i` of every leaf.
@@ -445,13 +503,26 @@ def scan(
     - `unroll`: how many layers each iteration of the underlying loop runs, as for
         `jax.lax.scan` (`True` unrolls all of them). With nested remat it applies to the inner
         scan over the layers of a group.
+    - `gather`: the sharding each layer's parameters are gathered to inside the loop, just
+        before `call` receives the layer. `True` (the default): replicated over the mesh each
+        leaf lies on (ZeRO-3); leaves on no mesh are left alone, so an unsharded stack runs
+        exactly as without it. `False`: kept as they are, for tensor-parallel layers written
+        for sharded weights (with Explicit axes such a layer must say how a product over a
+        sharded dimension is sharded, e.g. `jnp.einsum(..., out_sharding=...)`). Otherwise a
+        sharding policy with exactly the meaning of `build_stacked`'s `sharding=`, per layer
+        (no layer axis): one `Sharding`, or `PartitionSpec` on the stack's mesh; a pytree
+        prefix of the layer; or a rule `(path, leaf) -> sharding`, given each array leaf's key
+        path and per-layer `ShapeDtypeStruct`. For example, on a stack of matrices sharded
+        `P("data", "model")` within each layer, `gather=P(None, "model")` gathers over `"data"`
+        and keeps the tensor-parallel `"model"` shards. A leaf given `None` beside named
+        shardings is replicated; if every leaf gets `None`, nothing is gathered.
 
     **Returns:**
 
     `(carry, ys)`: the carry after the last layer, and the per-layer outputs `y_i` stacked on a
     new leading axis of length `L`.
     """
-    return _scan(stacked, carry, xs, call, remat, unroll, carry_name="carry")
+    return _scan(stacked, carry, xs, call, remat, unroll, carry_name="carry", gather=gather)
 
 
 def _check_call_kwargs(kwargs: Mapping[str, Any] | None, key: Any) -> dict[str, Any]:
@@ -484,6 +555,7 @@ def fold(
     remat: Remat = None,
     unroll: int | bool = 1,
     key: PRNGKeyArray | None = None,
+    gather: Gather = True,
 ) -> Carry:
     """Applies the layers of a stacked module one after another: `x = layer_i(x, *args)`.
 
@@ -494,7 +566,9 @@ def fold(
 
     The layer's own arguments go in `args` and `kwargs`, so they never collide with `fold`'s
     options. To return something per layer (a KV cache, an auxiliary loss) or to pass stateful
-    layers their `eqx.nn.State`, use [`eqx_lean.scan`][].
+    layers their `eqx.nn.State`, use [`eqx_lean.scan`][]. A stack sharded within each
+    layer (for example by `build_stacked(..., sharding=eqx_lean.fsdp(mesh))`) runs unchanged,
+    each layer gathered just before it runs (see `gather`).
 
     **Arguments:**
 
@@ -510,6 +584,10 @@ def fold(
     - `unroll`: as for [`eqx_lean.scan`][].
     - `key`: if given, split into `L` keys with `jax.random.split`, layer `i` receiving the
         `i`-th as the keyword argument `key=`.
+    - `gather`: for a stack sharded within each layer, the sharding each layer's parameters
+        are gathered to just before it runs: `True` (replicated: ZeRO-3, the default),
+        `False` (kept as they are) or a sharding policy, as for [`eqx_lean.scan`][], whose
+        **Sharded stacks** paragraph says more.
 
     **Returns:**
 
@@ -526,11 +604,11 @@ def fold(
     keys = None
     if key is not None:
         dynamic, _ = eqx.partition(stacked, eqx.is_array)
-        keys = jax.random.split(key, _num_layers_of_stack(dynamic))
+        keys = jax.random.split(key, num_layers_of_stack(dynamic))
 
     def step(layer: Any, carry: Any, layer_key: Any) -> tuple[Any, None]:
         key_kwarg = {} if layer_key is None else {"key": layer_key}
         return apply(layer, carry, *args, **key_kwarg, **layer_kwargs), None
 
-    out, _ = _scan(stacked, x, keys, step, remat, unroll, carry_name="x")
+    out, _ = _scan(stacked, x, keys, step, remat, unroll, carry_name="x", gather=gather)
     return out

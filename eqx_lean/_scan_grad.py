@@ -29,6 +29,7 @@ from jax.custom_derivatives import SymbolicZero
 from jax.experimental.shard_alike import shard_alike
 from jaxtyping import Array
 
+from . import _platform
 from ._compat import linear_call_with_transpose
 
 
@@ -179,9 +180,10 @@ class _Loops:
         return jax.vjp(layer, *_select(inputs, diff), has_aux=True)
 
     def layer_inputs(self, i: Any, carry_leaves: list[Array]) -> list[Array]:
-        # As in `_scan_by_index`: tied to the loop index by an optimisation barrier, nothing
-        # done to the stack (on CPU, a float32 conversion) is hoisted out of the loop.
-        stack, xs, at = lax.optimization_barrier((self.stack, self.xs, i))
+        # As in `_scan_by_index`: tied to the loop index by an optimisation barrier (on CPU,
+        # where it was measured), nothing done to the stack (there, a float32 conversion) is
+        # hoisted out of the loop.
+        stack, xs, at = _platform.barrier_on_cpu((self.stack, self.xs, i))
         return [*self.consts, *_index(stack, at), *carry_leaves, *_index(xs, at)]
 
 
@@ -309,7 +311,7 @@ def _backward_segment(
         k, cts = state
         # Whatever is read by index sits behind the barrier, so that no conversion of a whole
         # stacked residual is hoisted out of the loop either.
-        carries_now, saved_now, ct_ys_now, i = lax.optimization_barrier(
+        carries_now, saved_now, ct_ys_now, i = _platform.barrier_on_cpu(
             (carries, saved, ct_ys, start + (length - 1) - k)
         )
         inputs = loops.layer_inputs(i, lin.carry_in(carries_now, i - start))

@@ -14,18 +14,16 @@ that it is computed once instead of being fused into, and recomputed for each el
 draw it keys.
 
 The values are the same bit for bit (it is the same integer arithmetic); only the lowering
-differs. The override is scoped to the programs lowered through `lower`, never global.
+differs. The override is scoped to the programs `_platform.lower` lowers for CPU, never global;
+on GPU and TPU JAX's own lowering is already unrolled.
 """
 
-import inspect
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.extend.random import threefry2x32_p
-from jax.interpreters import mlir
 from jaxtyping import Array
 
 
@@ -101,45 +99,6 @@ def _hash_for_lowering(key1: Array, key2: Array, x1: Array, x2: Array) -> tuple[
     return _threefry2x32_rolled(key1, key2, x1, x2)
 
 
-def _lowering_parameters() -> Any | None:
-    """Parameters that make `_hash_for_lowering` Threefry's rule; `None` where JAX has no hook.
-
-    `Traced.lower(_private_parameters=...)` is how `jax.export` passes its own lowering rules; it
-    is not public API, so a JAX without it (or without these classes) lowers as usual: the same
-    values, with JAX's temporaries.
-    """
-    if "_private_parameters" not in inspect.signature(jax.stages.Traced.lower).parameters:
-        return None
-    try:
-        rule = mlir.lower_fun(_hash_for_lowering, multiple_results=True)
-        return mlir.LoweringParameters(override_lowering_rules=((threefry2x32_p, rule),))
-    except (AttributeError, TypeError):
-        return None
-
-
-# One object for the whole process: it is part of the compilation cache's key.
-_PARAMETERS = _lowering_parameters()
-
-
-def fuses_threefry() -> bool:
-    """Whether `lower` can lower Threefry unrolled with this JAX."""
-    return _PARAMETERS is not None
-
-
-def lower(traced: jax.stages.Traced) -> jax.stages.Lowered:
-    """Lowers a traced program with Threefry unrolled, so its draws fuse into their consumers.
-
-    Only the lowering changes: the random values are bitwise those of the default lowering.
-    Compiled programs are cached as usual (the override is part of the cache key).
-
-    **Arguments:**
-
-    - `traced`: the result of `jax.jit(f).trace(*args)`.
-
-    **Returns:**
-
-    The `jax.stages.Lowered` program, ready for `.compile()`.
-    """
-    if _PARAMETERS is None:
-        return traced.lower()
-    return traced.lower(_private_parameters=_PARAMETERS)
+# The override `_platform.lower` applies to the programs it lowers for CPU, through `_compat`.
+# One tuple for the whole process: it is part of the compilation cache's key.
+FUSED_RULES = ((threefry2x32_p, _hash_for_lowering),)

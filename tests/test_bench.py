@@ -208,11 +208,3 @@ def test_json_includes_the_sweep_and_the_plot_is_written(tmp_path):
 
 
 # --- the README's main job ------------------------------------------------------------------------
-
-
-def test_readme_main_job_runs_the_bench():
-    first_block = re.search(r"```bash\n(.*?)```", README.read_text(), re.DOTALL)
-    assert first_block is not None
-    command = first_block.group(1).strip()
-    assert 'pip install ".[bench]"' in command
-    assert command.endswith("python -m eqx_lean.bench")

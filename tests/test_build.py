@@ -11,7 +11,7 @@ import pytest
 from jaxtyping import Array, PRNGKeyArray
 
 import eqx_lean
-from eqx_lean import _build
+from eqx_lean import _build, _core
 from eqx_lean.bench._models import Block, BlockConfig
 
 
@@ -208,23 +208,6 @@ def test_arithmetic_after_draws_matches_compiled_filter_vmap():
 # --- compilation ------------------------------------------------------------------------------
 
 
-class CompileCounter:
-    def __init__(self):
-        self.count = 0
-
-    def __call__(self, event, *args, **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration":
-            self.count += 1
-
-
-@pytest.fixture
-def compiles():
-    counter = CompileCounter()
-    jax.monitoring.register_event_duration_secs_listener(counter)
-    yield counter
-    jax.monitoring.unregister_event_duration_listener(counter)
-
-
 COUNTED_BLOCK = BlockConfig(num_layers=1, dim=24, hidden=40, heads=4, kv_heads=2)
 
 
@@ -268,10 +251,10 @@ def test_writes_alias_the_stacked_buffers():
     abstract = eqx.filter_eval_shape(make_block, keys[0])
     leaves = jax.tree.leaves(abstract)
     stacked_bytes = 8 * sum(x.size * 2 for x in leaves if isinstance(x, jax.ShapeDtypeStruct))
-    plan = _build._Plan.make(make_block, keys, jnp.bfloat16, None, None)
-    compiled = _build._compile_writes(plan, keys, make_block)
+    plan = _core.plan_build(make_block, keys, jnp.bfloat16, None, None)
+    compiled = _core.compile_writes(plan)
     for group, executable in zip(plan.groups, compiled, strict=True):
-        analysis = executable.memory_analysis()
+        analysis = _core.memory_analysis(executable)
         group_bytes = sum(plan.structs[j].size * 2 for j in group.leaves)
         assert analysis.alias_size_in_bytes == group_bytes
         # Besides the aliased buffers, the output holds only a table of pointers.
@@ -396,7 +379,9 @@ def test_make_layer_that_is_not_traceable():
         eqx_lean.build_stacked(concrete_only, keys)
 
 
-def test_static_parts_that_differ_between_calls():
+def test_make_layer_is_traced_once_per_build_like_filter_vmap():
+    # Every layer comes from one trace of `make_layer` (as with `filter_vmap`), so static parts
+    # cannot differ between layers; each build traces afresh, reading Python state anew.
     calls = []
 
     class Numbered(eqx.Module):
@@ -408,10 +393,13 @@ def test_static_parts_that_differ_between_calls():
         return Numbered(jax.random.normal(key, (2,)), len(calls))
 
     keys = jax.random.split(jax.random.key(0), 3)
-    before = live_array_ids()
-    with pytest.raises(ValueError, match="static and non-array parts are the same for every key"):
-        eqx_lean.build_stacked(make, keys)
-    assert live_array_ids() <= before
+    first = eqx_lean.build_stacked(make, keys)
+    assert len(calls) == 1 and first.number == 1
+    second = eqx_lean.build_stacked(make, keys)
+    assert len(calls) == 2 and second.number == 2
+    np.testing.assert_array_equal(first.weight, second.weight)
+    calls.clear()
+    assert_bitwise_equal(first, eqx.filter_vmap(make)(keys))
 
 
 def test_failure_midway_frees_the_buffers(monkeypatch):
@@ -419,12 +407,12 @@ def test_failure_midway_frees_the_buffers(monkeypatch):
     jax.block_until_ready(keys)
     eqx_lean.build_stacked(make_block, keys)  # compile first, so only the build is compared
 
-    def failing_progress(num_layers, enabled):
-        yield 0
-        yield 1
+    def failing_runs(num_layers, per_call, progress):
+        yield 0, 1
+        yield 1, 2
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(_build, "_progress", failing_progress)
+    monkeypatch.setattr(_build, "_runs", failing_runs)
     before = live_array_ids()
     with pytest.raises(KeyboardInterrupt):
         eqx_lean.build_stacked(make_block, keys)
@@ -506,8 +494,14 @@ def test_stack_errors():
     with pytest.raises(ValueError, match="non-empty list or tuple"):
         eqx_lean.stack(layers[0])  # pyright: ignore[reportArgumentType]
     other = eqx.nn.MLP(8, 5, 16, 3, key=jax.random.key(0))
-    with pytest.raises(ValueError, match=r"`layers\[1\]` differs from `layers\[0\]`"):
+    # The message says where the two differ, not two treedefs that print alike.
+    with pytest.raises(
+        ValueError, match=r"`layers\[1\]` differs from `layers\[0\]`: it has an extra leaf at "
+    ):
         eqx_lean.stack([layers[0], other])
+    tanh = eqx.tree_at(lambda m: m.activation, layers[1], jax.nn.tanh)
+    with pytest.raises(ValueError, match=r"at \.activation it has <.*tanh.*> where the first has"):
+        eqx_lean.stack([layers[0], tanh])
     wider = eqx.tree_at(lambda m: m.layers[0].weight, layers[1], jnp.zeros((16, 9)))
     with pytest.raises(ValueError, match=r"leaf \.layers\[0\]\.weight of `layers\[1\]` is float32"):
         eqx_lean.stack([layers[0], wider])
@@ -558,10 +552,14 @@ def test_peak_memory_in_a_fresh_process():
     figures = json.loads(proc.stdout.strip().splitlines()[-1])
     keys = jax.random.split(jax.random.key(0), config["num_layers"])
     block_config = BlockConfig(**config)
-    largest_temp = eqx_lean._build.write_temp_bytes(
-        lambda k: Block(block_config, key=k), keys, jnp.bfloat16
+    largest_temp = _core.write_temp_bytes(
+        _core.plan_build(lambda k: Block(block_config, key=k), keys, jnp.bfloat16)
     )[0]
     float32_stack = 2 * figures["final_bytes"]
+    # What compiling the writes and XLA:CPU's runtime leave resident beyond XLA's own figures:
+    # 118-158 MiB over six configurations (JAX 0.10.2, glibc; see `eqx_lean/_memory/estimates.py`).
+    # It does not grow with the model, so the bound still tells one layer's temporaries apart
+    # from a float32 stack (1 GiB more here), which is what this test guards against.
     compile_overhead = 160 * 2**20
     assert figures["peak_over_idle_bytes"] <= (
         figures["final_bytes"] + largest_temp + compile_overhead

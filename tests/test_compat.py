@@ -1,9 +1,147 @@
+"""Private JAX in one place (`_compat.py`): version-gated, each use with a tested fallback.
+
+Every fallback is forced here, and the library must then give exactly the values of the normal
+path, eagerly and under `jit`, `vmap`, `grad` and `eqx.filter_eval_shape`.
+"""
+
+import subprocess
+import sys
+import textwrap
+
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import eqx_lean
 from eqx_lean import _compat
+from eqx_lean.bench._models import Block, BlockConfig
+
+
+TINY = BlockConfig(num_layers=3, dim=16, hidden=24, heads=2, kv_heads=1)
+KEYS = jax.random.split(jax.random.key(3), 3)
+
+
+def make_block(key):
+    return Block(TINY, key=key)
+
+
+def scaled_draw(scale):
+    # Large enough (>= 2**16 counters) to take the unrolled hash when the override is on.
+    return lambda key: {"w": jax.random.normal(key, (256, 300)) * scale, "b": jnp.zeros(3)}
+
+
+def assert_bitwise(a, b):
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        if isinstance(x, jax.ShapeDtypeStruct):
+            assert (x.shape, x.dtype) == (y.shape, y.dtype)
+            continue
+        assert x.dtype == y.dtype
+        x_bytes = np.atleast_1d(np.asarray(x)).view(np.uint8)
+        np.testing.assert_array_equal(x_bytes, np.atleast_1d(np.asarray(y)).view(np.uint8))
+
+
+def every_use(tmp_path):
+    """Build, load and scan eagerly and under each transformation; a dict of results."""
+    results = {}
+    results["build"] = eqx_lean.build_stacked(make_block, KEYS, jnp.bfloat16)
+    results["build/jit"] = jax.jit(
+        lambda keys: eqx_lean.build_stacked(make_block, keys, jnp.bfloat16)
+    )(KEYS)
+    results["build/eval_shape"] = eqx.filter_eval_shape(
+        eqx_lean.build_stacked, make_block, KEYS, jnp.bfloat16
+    )
+    results["build/vmap"] = jax.vmap(lambda s: eqx_lean.build_stacked(scaled_draw(s), KEYS))(
+        jnp.array([1.0, 2.0])
+    )
+    results["build/grad"] = jax.grad(
+        lambda s: eqx_lean.build_stacked(scaled_draw(s), KEYS)["w"].sum()
+    )(1.5)
+
+    names = lambda path, _: "layers.{i}" + jax.tree_util.keystr(path)  # noqa: E731
+    eqx_lean.save_stacked(tmp_path / "ckpt", results["build"], names)
+    like = eqx.filter_eval_shape(eqx_lean.build_stacked, make_block, KEYS, jnp.bfloat16)
+    results["load"] = eqx_lean.load_stacked(tmp_path / "ckpt", like, names)
+
+    stacked = eqx_lean.build_stacked(lambda k: eqx.nn.Linear(16, 16, key=k), KEYS)
+    x = jnp.linspace(-1, 1, 16)
+
+    def run(stacked, x):
+        return eqx_lean.fold(stacked, x, call=lambda layer, x: x + 0.1 * jnp.tanh(layer(x)))
+
+    results["scan"] = run(stacked, x)
+    results["scan/jit"] = jax.jit(run)(stacked, x)
+    results["scan/vmap"] = jax.vmap(run, in_axes=(None, 0))(stacked, x[None])
+    results["scan/grad"] = jax.grad(lambda s, x: run(s, x).sum())(stacked, x)
+    results["scan/eval_shape"] = eqx.filter_eval_shape(run, stacked, x)
+    return results
+
+
+def test_private_apis_are_used_on_the_tested_jax():
+    assert _compat.private_jax_allowed()
+    assert _compat.can_override_lowering()
+    assert _compat.has_custom_transpose()
+
+
+def test_another_jax_series_takes_the_fallbacks(monkeypatch):
+    monkeypatch.setattr(jax, "__version_info__", (0, 11, 0))
+    assert not _compat.private_jax_allowed()
+    assert not _compat.can_override_lowering()
+    assert not _compat.has_custom_transpose()
+
+
+def test_forced_fallbacks_give_the_same_values(tmp_path):
+    normal = every_use(tmp_path / "normal")
+    with _compat.without_private_jax():
+        assert not _compat.can_override_lowering()
+        eqx_lean.clear_caches()  # so nothing compiled with the private path is reused
+        fallback = every_use(tmp_path / "fallback")
+    assert sorted(normal) == sorted(fallback)
+    for name in normal:
+        assert_bitwise(fallback[name], normal[name])
+
+
+def test_a_jax_without_the_lowering_hook_takes_the_fallback(monkeypatch, tmp_path):
+    # As if `Traced.lower` had no `_private_parameters`, and `jax.interpreters.mlir` no longer
+    # imported: JAX's own lowering, the same values.
+    normal = eqx_lean.build_stacked(make_block, KEYS, jnp.bfloat16)
+    import jax.interpreters
+
+    monkeypatch.delattr(jax.interpreters, "mlir")
+    monkeypatch.setitem(sys.modules, "jax.interpreters.mlir", None)
+    _compat._lowering_api.cache_clear()
+    try:
+        assert _compat._lowering_api() is None
+        assert not _compat.can_override_lowering()
+        eqx_lean.clear_caches()
+        assert_bitwise(eqx_lean.build_stacked(make_block, KEYS, jnp.bfloat16), normal)
+    finally:
+        _compat._lowering_api.cache_clear()
+        eqx_lean.clear_caches()
+
+
+@pytest.mark.parametrize("value", ["1", "0"])
+def test_the_environment_variable_forces_the_fallbacks(value):
+    code = textwrap.dedent(
+        """
+        import jax, jax.numpy as jnp
+        import eqx_lean
+        from eqx_lean import _compat
+        keys = jax.random.split(jax.random.key(0), 2)
+        built = eqx_lean.build_stacked(lambda k: jax.random.normal(k, (256, 300)), keys)
+        print(_compat.can_override_lowering(), float(built.sum()))
+        """
+    )
+    env = {"EQX_LEAN_NO_PRIVATE_JAX": value, "JAX_PLATFORMS": "cpu", "PATH": ""}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert out[0] == ("False" if value == "1" else "True")
+    keys = jax.random.split(jax.random.key(0), 2)
+    expected = float(jax.vmap(lambda k: jax.random.normal(k, (256, 300)))(keys).sum())
+    assert float(out[1]) == pytest.approx(expected, rel=1e-6)
 
 
 def assert_close(found, expected):

@@ -295,7 +295,7 @@ def hf_model_names(path, leaf):
 
 def test_whole_model_with_plain_tensors_round_trips(tmp_path, monkeypatch):
     # Tiny pieces force plain tensors to be copied in several pieces, the last one shorter.
-    monkeypatch.setattr(_io, "_CHUNK_BYTES", 5 * 8 * 4)
+    monkeypatch.setattr(_io.load, "_CHUNK_BYTES", 5 * 8 * 4)
     model = random_model(3)
     eqx_lean.save_tensors(tmp_path / "ckpt", model, hf_model_names, max_shard_bytes=2000)
     like = eqx.filter_eval_shape(Model, 3, key=jax.random.key(1))
@@ -392,7 +392,7 @@ def test_save_killed_midway_leaves_previous_checkpoint_loadable(tmp_path):
         import eqx_lean
         from eqx_lean import _io
 
-        write = _io._write_array
+        write = _io.save._write_array
         count = [0]
 
         def slow_write(f, value):
@@ -402,7 +402,7 @@ def test_save_killed_midway_leaves_previous_checkpoint_loadable(tmp_path):
                 print("writing", flush=True)
             time.sleep(0.5)
 
-        _io._write_array = slow_write
+        _io.save._write_array = slow_write
         new = {{"w": -jnp.ones((6, 4, 4), jnp.float32)}}
         eqx_lean.save_stacked({str(tmp_path / "ckpt")!r}, new, {names!r}, max_shard_bytes=64)
         print("finished", flush=True)
@@ -465,18 +465,21 @@ def test_sharded_load_on_8_devices_equals_unsharded(tmp_path):
                  "t": jax.ShapeDtypeStruct((L, 8, 12), jnp.float32),
                  "emb": jax.ShapeDtypeStruct((16, 8), jnp.float32)}}
         mesh = jax.make_mesh((2, 4), ("a", "b"))
-        specs = {{"w": P(None, "a", "b"), "v": P("a", "b"), "t": P(None, "b", "a"),
-                  "emb": P("b", None)}}
+        # Per layer for the stacked leaves (the layer axis replicated), whole for `emb`.
+        specs = {{"w": P("a", "b"), "v": P("b"), "t": P("b", "a"), "emb": P("b", None)}}
         shardings = {{k: NamedSharding(mesh, s) for k, s in specs.items()}}
+        stacked_specs = {{"w": P(None, "a", "b"), "v": P(None, "b"), "t": P(None, "b", "a"),
+                          "emb": P("b", None)}}
+        expected_shardings = {{k: NamedSharding(mesh, s) for k, s in stacked_specs.items()}}
 
         reads = []
-        host_slice = _io._host_slice
+        host_slice = _io.load._host_slice
         def recording_host_slice(stored, name, index):
             value = host_slice(stored, name, index)
             reads.append((name.name, value.shape))
             return value
-        _io._host_slice = recording_host_slice
-        _io._CHUNK_BYTES = 2 * 8 * 4  # two rows of the embedding at a time
+        _io.load._host_slice = recording_host_slice
+        _io.load._CHUNK_BYTES = 2 * 8 * 4  # two rows of the embedding at a time
         path = {str(tmp_path / "m.safetensors")!r}
         sharded = eqx_lean.load_tensors(path, like, names, sharding=shardings)
         sharded_reads = list(reads)
@@ -484,7 +487,7 @@ def test_sharded_load_on_8_devices_equals_unsharded(tmp_path):
 
         reference = {{"w": w.astype(ml_dtypes.bfloat16), "v": v, "t": t, "emb": emb}}
         for k, array in sharded.items():
-            assert array.sharding.is_equivalent_to(shardings[k], array.ndim), k
+            assert array.sharding.is_equivalent_to(expected_shardings[k], array.ndim), k
             assert array.dtype == reference[k].dtype, k
             np.testing.assert_array_equal(np.asarray(array), np.asarray(unsharded[k]))
             np.testing.assert_array_equal(np.asarray(array), reference[k])
@@ -496,26 +499,43 @@ def test_sharded_load_on_8_devices_equals_unsharded(tmp_path):
                             "embed": (2, 8)}}
         for name, shape in sharded_reads:
             assert shape == per_layer_shard[name], (name, shape)
-        # v is sharded on its layer axis over "a": 2 layers x 8 devices reads, not 4 x 8.
-        assert sum(name == "l.{{i}}.v" for name, _ in sharded_reads) == 2 * 8
-        assert len(sharded_reads) == L * 8 + 2 * 8 + L * 8 + 2 * 8, len(sharded_reads)
+        assert len(sharded_reads) == 3 * L * 8 + 2 * 8, len(sharded_reads)
 
-        # A sharding carried by the ShapeDtypeStructs of `like`, as Orbax targets do.
-        like_sharded = {{k: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=shardings[k])
+        # A sharding carried by the ShapeDtypeStructs of `like`, as Orbax targets do: that of
+        # the stacked leaf, whose layer axis must be replicated.
+        like_sharded = {{k: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=expected_shardings[k])
                          for k, s in like.items()}}
         again = eqx_lean.load_tensors(path, like_sharded, names)
         for k, array in again.items():
-            assert array.sharding.is_equivalent_to(shardings[k], array.ndim), k
+            assert array.sharding.is_equivalent_to(expected_shardings[k], array.ndim), k
             np.testing.assert_array_equal(np.asarray(array), reference[k])
+        layer_sharded = dict(like_sharded, v=jax.ShapeDtypeStruct(
+            (L, 8), jnp.float32, sharding=NamedSharding(mesh, P("a", "b"))))
+        try:
+            eqx_lean.load_tensors(path, layer_sharded, names)
+        except ValueError as e:
+            assert "leaf ['v'] carries the stacked sharding" in str(e), e
+            assert "layer_axis=" in str(e), e
+        else:
+            raise AssertionError("a like sharding that shards the layer axis was accepted")
 
-        # A sharding that does not divide its leaf is refused before anything is read.
-        bad = dict(shardings, v=NamedSharding(mesh, P(("a", "b"), None)))  # 4 layers, 8 devices
+        # The layer axis itself is sharded only when asked for, by `layer_axis=`.
+        by_stage = eqx_lean.load_tensors(path, like, names, sharding=P("b"), mesh=mesh,
+                                         layer_axis="a")
+        for k in ("w", "v", "t"):
+            assert by_stage[k].sharding.spec == P("a", "b"), (k, by_stage[k].sharding)
+            np.testing.assert_array_equal(np.asarray(by_stage[k]), reference[k])
+        assert by_stage["emb"].sharding.spec == P("b"), by_stage["emb"].sharding
+
+        # A spec covering the layer axis too (the meaning before 0.2.0) is refused, and says so.
+        bad = dict(shardings, v=NamedSharding(mesh, P(("a", "b"), None)))
         try:
             eqx_lean.load_tensors(path, like, names, sharding=bad)
         except ValueError as e:
-            assert "The sharding for leaf ['v'] must fit its shape [4, 8]" in str(e), e
+            assert "leaf ['v'] of shape (8,)" in str(e), e
+            assert "Since eqx_lean 0.2.0 `sharding` is per layer" in str(e), e
         else:
-            raise AssertionError("an indivisible sharding was accepted")
+            raise AssertionError("a spec with one dimension too many was accepted")
 
         # Saving sharded arrays writes the same tensors (w was cast to bfloat16 on loading).
         eqx_lean.save_tensors({str(tmp_path / "resaved")!r}, sharded, names, max_shard_bytes=999)
@@ -607,7 +627,7 @@ def no_allocation(monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("a buffer was allocated")
 
-    monkeypatch.setattr(_io, "_allocate_shards", fail)
+    monkeypatch.setattr(_io.load, "_allocate_shards", fail)
 
 
 def test_missing_tensors_are_listed_with_a_count(saved):
@@ -806,12 +826,13 @@ def test_bad_names_are_refused(saved):
 
 def test_bad_sharding_is_refused(saved):
     file, like = saved
-    with pytest.raises(TypeError, match=r"`sharding` must be one `jax.sharding.Sharding`"):
+    # The one resolver of `sharding=` (shared with `build_stacked`) and its messages.
+    with pytest.raises(TypeError, match=r"`sharding` for leaf \.attn\.weight must be a Named"):
         eqx_lean.load_stacked(file, like, hf_names, sharding=jax.tree.map(lambda _: "x", like))
-    with pytest.raises(TypeError, match=r"at its root it has object"):
+    with pytest.raises(TypeError, match=r"got <object object"):
         eqx_lean.load_stacked(file, like, hf_names, sharding=object())
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    with pytest.raises(TypeError, match=r"at \['nowhere'\] it has SingleDeviceSharding"):
+    with pytest.raises(ValueError, match=r"it does not match the layer"):
         eqx_lean.load_stacked(file, like, hf_names, sharding={"nowhere": device})
 
 
@@ -835,3 +856,57 @@ def test_bad_save_arguments_are_refused(tmp_path):
             tmp_path / "c", stacked, lambda p, _: "plain" + jax.tree_util.keystr(p)
         )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+@pytest.mark.parametrize("devices", [4, 8])
+def test_build_and_load_give_one_meaning_to_sharding(tmp_path, devices):
+    """The same `sharding=`/`mesh=` arguments, to `build_stacked` and `load_stacked`: the same
+    shardings (`is_equivalent_to`) and the same values, in every form `sharding=` takes."""
+    run_script(
+        f"""
+        import equinox as eqx, jax, jax.numpy as jnp, numpy as np
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        import eqx_lean
+
+        assert jax.device_count() == {devices}
+        mesh = jax.make_mesh(({devices},), ("data",))
+
+        def make(key):
+            return eqx.nn.MLP(16, 8, width_size=32, depth=2, key=key)
+
+        keys = jax.random.split(jax.random.key(0), 4)
+        names = lambda path, _: "layers.{{i}}" + jax.tree_util.keystr(path)
+        reference = eqx_lean.build_stacked(make, keys, jnp.bfloat16)
+        eqx_lean.save_stacked({str(tmp_path / "ckpt")!r}, reference, names)
+        like = eqx.filter_eval_shape(eqx_lean.build_stacked, make, keys, jnp.bfloat16)
+        prefix = eqx.tree_at(
+            lambda m: (m.layers[0].weight, m.layers[1].weight),
+            jax.tree.map(lambda _: None, make(keys[0])),
+            (P("data"), P(None, "data")),
+            is_leaf=lambda x: x is None,
+        )
+        forms = {{
+            "named": (NamedSharding(mesh, P("data")), None),
+            "spec-and-mesh": (P("data"), mesh),
+            "prefix": (prefix, mesh),
+            "fsdp": (eqx_lean.fsdp(mesh), None),
+        }}
+        for form, (sharding, m) in forms.items():
+            built = eqx_lean.build_stacked(make, keys, jnp.bfloat16, sharding, mesh=m)
+            loaded = eqx_lean.load_stacked({str(tmp_path / "ckpt")!r}, like, names,
+                                           sharding=sharding, mesh=m)
+            arrays = lambda tree: eqx.filter(tree, eqx.is_array)
+            for (path, b), l, r in zip(jax.tree_util.tree_leaves_with_path(arrays(built)),
+                                       jax.tree.leaves(arrays(loaded)),
+                                       jax.tree.leaves(arrays(reference))):
+                where = (form, jax.tree_util.keystr(path))
+                assert b.sharding.is_equivalent_to(l.sharding, b.ndim), (where, b.sharding,
+                                                                        l.sharding)
+                assert b.sharding.spec[0] is None, where  # the layer axis is replicated
+                np.testing.assert_array_equal(np.asarray(b), np.asarray(l), err_msg=str(where))
+                np.testing.assert_array_equal(np.asarray(b), np.asarray(r), err_msg=str(where))
+        print("ok")
+        """,
+        tmp_path,
+        devices=devices,
+    )

@@ -74,9 +74,9 @@ def test_estimate_sizes_match_a_real_build(tiny_estimate, caplog):
     keys, estimate = tiny_estimate
     with caplog.at_level(logging.WARNING), jax.log_compiles():
         built = eqx_lean.build_stacked(make_tiny, keys, jnp.bfloat16)
-    # The writes `estimate` compiled are the ones `build_stacked` runs.
+    # The writes `estimate` compiled are the ones `build_stacked` runs: it compiles none.
     compiled = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Compiling")]
-    assert not [m for m in compiled if "_write_layer" in m], compiled
+    assert not [m for m in compiled if "write_layers" in m], compiled
     one_layer = make_tiny(keys[0])
     assert estimate.num_layers == 6
     assert estimate.platform == "cpu"
@@ -96,12 +96,6 @@ def test_estimate_write_and_jit_figures_are_xla_s(tiny_estimate):
     analysis = compiled.compile().memory_analysis()
     assert analysis is not None
     assert estimate.filter_jit_vmap_temp_bytes == analysis.temp_size_in_bytes
-    assert estimate.write_temp_bytes == tuple(
-        eqx_lean._build.write_temp_bytes(make_tiny, keys, jnp.bfloat16)
-    )
-    assert estimate.build_stacked_overhead == (
-        estimate.build_stacked_peak - estimate.final_bytes_per_device
-    )
 
 
 def test_estimate_dtype_policies():
@@ -195,10 +189,10 @@ def test_estimate_allocates_nothing():
 
 def _eager(fn, n: int, cast_bytes: int = 0) -> int:
     jaxpr = jax.make_jaxpr(fn)(jax.ShapeDtypeStruct((n,), jnp.float32)).jaxpr
-    lowered = _memory._eager_dispatches(jaxpr)
+    lowered = _memory.estimates._eager_dispatches(jaxpr)
     assert len(lowered) == len(jaxpr.eqns)  # every operation here is big enough to compile
     temps = {k: x.compile().memory_analysis().temp_size_in_bytes for k, x in lowered.items()}
-    return _memory._eager_peak(jaxpr, temps, cast_bytes)
+    return _memory.estimates._eager_peak(jaxpr, temps, cast_bytes)
 
 
 def test_eager_peak_frees_values_after_their_last_use():
@@ -233,7 +227,11 @@ def test_measure_sees_a_transient_host_allocation():
         del spike
     assert m.backend == "cpu"
     assert m.peak_bytes is not None and m.rss_peak is not None and m.rss_before is not None
-    assert 190 * MiB <= m.peak_bytes <= 260 * MiB, m
+    # The 200 MiB are written (every page touched), so they are resident at the peak. Nothing
+    # else runs in the block: the rest of the process moves by a few MiB only, up (the sampler
+    # thread, interpreter objects) or down (pages the allocator returns meanwhile). The margins
+    # bound that movement, not this machine's figures.
+    assert 190 * MiB <= m.peak_bytes <= 216 * MiB, m
     assert m.peak_bytes == m.rss_peak - m.rss_before
     assert m.seconds >= 0.05
     assert m.device_bytes_before is None
@@ -248,41 +246,6 @@ def test_measure_counts_live_arrays():
     assert text.startswith("Measurement(\ncpu, ")
     assert "live arrays after" in text
     del kept
-
-
-class _FakeDevice:
-    def __init__(self, stats):
-        self._stats = iter(stats)
-
-    def memory_stats(self):
-        return next(self._stats)
-
-
-def test_measure_on_accelerators_reads_memory_stats(monkeypatch):
-    # A device whose peak rose inside the block, and one whose all-time peak was set before.
-    rose = _FakeDevice(
-        [
-            {"bytes_in_use": 100, "peak_bytes_in_use": 500},
-            {"bytes_in_use": 150, "peak_bytes_in_use": 900},
-        ]
-    )
-    earlier = _FakeDevice(
-        [
-            {"bytes_in_use": 10, "peak_bytes_in_use": 2000},
-            {"bytes_in_use": 10, "peak_bytes_in_use": 2000},
-        ]
-    )
-    monkeypatch.setattr(jax, "local_devices", lambda: [rose])
-    with eqx_lean.memory.measure() as m:
-        pass
-    assert (m.peak_bytes, m.peak_is_exact) == (800, True)
-    assert (m.device_bytes_before, m.device_bytes_after) == (100, 150)
-
-    monkeypatch.setattr(jax, "local_devices", lambda: [earlier])
-    with eqx_lean.memory.measure() as m:
-        pass
-    assert (m.peak_bytes, m.peak_is_exact) == (1990, False)
-    assert "(upper bound)" in m.table()
 
 
 def test_measure_rejects_a_bad_interval():
@@ -381,7 +344,7 @@ def test_per_device_figures_on_eight_devices():
 # sized so that every process stays under 2 GiB. build_stacked's writes fuse their draws (no XLA
 # temporaries), so its overhead is what compiling and glibc leave resident, ~41-46 MiB; before
 # the draws fused, writes with temporaries under ~32 MiB left a scatter of +-15 MiB in it.
-# None of them was used to choose the constants in `_memory.py`.
+# None of them was used to choose the constants in `_memory/estimates.py`.
 ACCURACY_CONFIGS = [
     (BlockConfig(num_layers=14, dim=896, hidden=3072, heads=7, kv_heads=1), "bfloat16"),
     (BlockConfig(num_layers=4, dim=1792, hidden=4864, heads=14, kv_heads=2), "bfloat16"),

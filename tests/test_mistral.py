@@ -21,6 +21,7 @@ from examples.mistral7b import (
     save_hf,
     to_hf_state_dict,
 )
+from examples.mistral7b.model import linear_product
 
 
 torch = pytest.importorskip("torch")
@@ -361,3 +362,51 @@ def test_training_beats_unigram_entropy():
     _, held_out_text = train_module.split_text(train_module.load_text())
     assert held_out < train_module.unigram_entropy(held_out_text)
     assert losses[-1] < losses[0]
+
+
+# --- bfloat16 products ------------------------------------------------------------------------
+
+
+def _bf16(rng: np.random.Generator, *shape: int) -> jax.Array:
+    return jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+
+
+def test_bfloat16_product_and_its_gradients_accumulate_in_float32():
+    """Forward and both gradients equal a float64 computation rounded once to bfloat16 (to
+    one rounding step: the float32 sums may round the other way)."""
+    rng = np.random.default_rng(0)
+    x, weight, cotangent = _bf16(rng, 3, 5, 64), _bf16(rng, 32, 64), _bf16(rng, 3, 5, 32)
+    out, vjp = jax.vjp(linear_product, x, weight)
+    dx, dweight = vjp(cotangent)
+    x64, w64, ct64 = (np.asarray(a, np.float64) for a in (x, weight, cotangent))
+    expected = [x64 @ w64.T, ct64 @ w64, np.einsum("bto,bti->oi", ct64, x64)]
+    for got, want in zip([out, dx, dweight], expected, strict=True):
+        assert got.dtype == jnp.bfloat16 and got.shape == want.shape
+        rounded = np.asarray(jnp.asarray(want, jnp.bfloat16), np.float64)
+        np.testing.assert_allclose(np.asarray(got, np.float64), rounded, rtol=2**-7, atol=1e-6)
+    # float32 operands take JAX's own derivatives, forward mode included.
+    x32, w32 = x.astype(jnp.float32), weight.astype(jnp.float32)
+    _, tangent = jax.jvp(linear_product, (x32, w32), (x32, jnp.zeros_like(w32)))
+    np.testing.assert_allclose(tangent, x64 @ w64.T, rtol=1e-5, atol=1e-5)
+
+
+def test_bfloat16_product_needs_no_float32_copy_of_the_weight():
+    """XLA:CPU copies a bfloat16 weight to float32 for a plain bfloat16 dot; the float32-result
+    product, and its gradient with respect to the input, read the weight as it is and hold
+    activation-sized temporaries only."""
+    x = jax.ShapeDtypeStruct((256, 2048), jnp.bfloat16)
+    weight = jax.ShapeDtypeStruct((2048, 2048), jnp.bfloat16)
+    weight_f32 = 2048 * 2048 * 4
+
+    def temp(f) -> int:
+        analysis = jax.jit(f).lower(x, weight).compile().memory_analysis()
+        assert analysis is not None
+        return analysis.temp_size_in_bytes
+
+    def input_grad(x, weight):
+        return jax.grad(lambda x: jnp.sum(linear_product(x, weight).astype(jnp.float32)))(x)
+
+    result_f32 = 256 * 2048 * 4  # the float32 result, before its rounding to bfloat16
+    assert temp(lambda x, w: jnp.einsum("ti,oi->to", x, w)) >= weight_f32  # the plain dot
+    assert temp(linear_product) <= result_f32
+    assert temp(input_grad) <= 2 * result_f32

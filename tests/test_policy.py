@@ -27,7 +27,7 @@ import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 import eqx_lean
-from eqx_lean import _build
+from eqx_lean import _core
 
 # `make_wide` is `make_small` with a 16 MiB float32 matrix: big enough for temp bounds to bite.
 from eqx_lean.bench._models import Block, BlockConfig, wide_layer as make_wide
@@ -174,12 +174,12 @@ def _write_memory(
     make_layer: Callable, keys: Any, dtype: Any, sharding: Any, specs: ExpectedSpecs, mesh: Mesh
 ) -> dict[str, Any]:
     """Per-device `memory_analysis` of each compiled per-layer write, beside what it must be."""
-    plan = _build._Plan.make(make_layer, keys, dtype, sharding, None)
-    compiled = _build._compile_writes(plan, keys, make_layer)
+    plan = _core.plan_build(make_layer, keys, dtype, sharding, None)
+    compiled = _core.compile_writes(plan)
     layer_bytes = sum(s.size * s.dtype.itemsize for s in plan.layout.structs)
     groups = []
     for group, executable in zip(plan.groups, compiled, strict=True):
-        analysis = executable.memory_analysis()
+        analysis = _core.memory_analysis(executable)
         shard_bytes = 0
         for j in group.leaves:
             struct = plan.structs[j]
@@ -344,7 +344,9 @@ def _memory_checks(results: dict[str, Any], slow: bool) -> None:
                 make_layer, keys, jnp.bfloat16, eqx_lean.fsdp(mesh), fsdp_specs(table, 8), mesh
             )
     # The same writes unsharded (one device), to compare per-device temporaries against.
-    results["memory/wide/unsharded-temp"] = _build.write_temp_bytes(make_wide, keys, jnp.bfloat16)
+    results["memory/wide/unsharded-temp"] = _core.write_temp_bytes(
+        _core.plan_build(make_wide, keys, jnp.bfloat16)
+    )
 
 
 def _trace_checks(results: dict[str, Any], references: dict[str, Any]) -> None:
@@ -707,6 +709,24 @@ def test_error_non_named_sharding(eight):
 # Errors that one device can show run here, in the test process.
 
 
+def test_fsdp_shards_norms_whose_width_the_axis_divides():
+    """What `fsdp`'s docstring says: vectors (norms, biases) are sharded like matrices when the
+    axis divides their width; only leaves with no divisible dimension are replicated."""
+    eight = eqx_lean.fsdp(jax.sharding.AbstractMesh((8,), ("data",)))  # no devices needed
+
+    def spec(shape: tuple[int, ...], rule: Any = eight) -> P:
+        return rule((), jax.ShapeDtypeStruct(shape, jnp.bfloat16)).spec
+
+    assert spec((1024,)) == P("data")  # a 1024-wide norm on 8 devices: 8 pieces of 128
+    assert spec((12,)) == P()  # a width 8 does not divide: replicated
+    assert spec(()) == P()  # scalars: replicated
+    assert spec((12, 1024)) == P(None, "data")  # the largest divisible dimension
+    assert spec((1024, 1024)) == P("data", None)  # the first of equal ones
+    assert spec((16, 12)) == P("data", None)  # the only divisible one, though not the largest
+    one_device = eqx_lean.fsdp(jax.sharding.AbstractMesh((1,), ("data",)))
+    assert spec((1024,), one_device) == spec((1024, 1024), one_device) == P()
+
+
 @pytest.fixture(scope="module")
 def one_device_mesh() -> Mesh:
     return jax.make_mesh((1,), ("data",), (AxisType.Auto,), devices=jax.devices()[:1])
@@ -723,6 +743,30 @@ def test_error_spec_longer_than_the_rank(one_device_mesh):
     keys = jax.random.split(jax.random.key(0), 2)
     with pytest.raises(ValueError, match=where("['b']", "(8,)", "P(None, 'data')", "more dim")):
         eqx_lean.build_stacked(make_small, keys, None, P(None, "data"), mesh=one_device_mesh)
+
+
+def test_error_mesh_axis_named_twice(one_device_mesh):
+    keys = jax.random.split(jax.random.key(0), 2)
+    with pytest.raises(
+        ValueError, match=where("['w']", "(16, 8)", "P('data', 'data')", "more than once")
+    ):
+        sharding = {"w": P("data", "data"), "b": None, "s": None}
+        eqx_lean.build_stacked(make_small, keys, None, sharding, mesh=one_device_mesh)
+
+
+def test_a_spec_with_the_layer_axis_explains_the_per_layer_meaning(one_device_mesh):
+    keys = jax.random.split(jax.random.key(0), 2)
+    sharding = {"w": P(None, "data", None), "b": None, "s": None}
+    with pytest.raises(ValueError, match=where("['w']", "(16, 8)", "Since eqx_lean 0.2.0")):
+        eqx_lean.build_stacked(make_small, keys, None, sharding, mesh=one_device_mesh)
+
+
+def test_a_mesh_set_with_set_mesh_serves_as_the_default(one_device_mesh):
+    keys = jax.random.split(jax.random.key(0), 2)
+    with jax.set_mesh(one_device_mesh):
+        built = eqx_lean.build_stacked(make_small, keys, None, P())
+    for x in jax.tree.leaves(built):
+        assert x.sharding.is_equivalent_to(NamedSharding(one_device_mesh, P()), x.ndim)
 
 
 def test_error_partition_spec_without_mesh():

@@ -904,6 +904,32 @@ def test_error_call_must_return_pair(mlp):
         eqx_lean.scan(stacked, jnp.zeros(DIM), call=lambda layer, x, _: layer(x))
 
 
+def test_empty_stack_returns_the_carry_and_empty_ys_like_lax_scan():
+    empty = {"w": jnp.zeros((0, DIM, DIM)), "b": jnp.zeros((0, DIM))}
+    x = jnp.arange(DIM, dtype=jnp.float32)
+
+    def call(layer, x, _):
+        return layer["w"] @ x + layer["b"], (x.sum(), layer["b"])
+
+    carry, ys = eqx_lean.scan(empty, x, call=call)
+    expected_carry, expected_ys = jax.lax.scan(lambda c, layer: call(layer, c, None), x, empty)
+    np.testing.assert_array_equal(carry, expected_carry)
+    assert jax.tree.map(jnp.shape, ys) == jax.tree.map(jnp.shape, expected_ys) == ((0,), (0, DIM))
+    np.testing.assert_array_equal(eqx_lean.fold(empty, x, call=lambda layer, x: layer["w"] @ x), x)
+
+
+def test_a_list_of_layers_points_to_stack(mlp):
+    stacked, x, _ = mlp
+    layers = eqx_lean.unstack(stacked)
+    with pytest.raises(TypeError, match=r"got a list of 6 separate layers.*eqx_lean\.stack"):
+        eqx_lean.fold(layers, x)
+    with pytest.raises(TypeError, match=r"got a tuple of 6 separate layers"):
+        eqx_lean.scan(tuple(layers), x, call=lambda layer, x, _: (layer(x), None))
+    # A tuple of stacked modules is a valid stacked pytree.
+    out = eqx_lean.fold((stacked, stacked), x, call=lambda pair, x: pair[1](pair[0](x)))
+    assert out.shape == x.shape
+
+
 def test_error_bad_options(mlp, getkey):
     stacked, _, _ = mlp
     x = jnp.zeros(DIM)

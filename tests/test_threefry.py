@@ -9,16 +9,21 @@ import pytest
 from jax.extend.random import threefry2x32_p
 
 import eqx_lean
-from eqx_lean import _threefry
+from eqx_lean import _compat, _platform, _threefry
 
 
 U32_MAX = 2**32 - 1
 
 
+def fused_lower(traced: Any) -> Any:
+    """Lowers with the unrolled Threefry, as `build_stacked` lowers its CPU writes."""
+    return _platform.lower(traced, _platform.Tricks(fused_threefry=True))
+
+
 def test_the_override_is_available_on_this_jax():
     # Without it the library still works, but every draw in `build_stacked` needs 4 x its size
     # in temporaries on CPU again: a JAX that drops the hook must fail here, not silently.
-    assert _threefry.fuses_threefry()
+    assert _compat.can_override_lowering()
 
 
 # Random123's known-answer vectors for Threefry-2x32 with 20 rounds, as in JAX's own tests:
@@ -88,7 +93,7 @@ def hlo_text(compiled: jax.stages.Compiled) -> str:
 
 def compile_both(f, *args):
     traced = jax.jit(f).trace(*args)
-    return traced.lower().compile(), _threefry.lower(traced).compile()
+    return traced.lower().compile(), fused_lower(traced).compile()
 
 
 @pytest.mark.parametrize("partitionable", [True, False])
@@ -113,7 +118,7 @@ def test_a_draw_fuses_into_its_write():
     key = jax.random.key(0)
     traced = jax.jit(write_draw, donate_argnums=0).trace(buffer, key)
     default = memory(traced.lower().compile())
-    unrolled = memory(_threefry.lower(traced).compile())
+    unrolled = memory(fused_lower(traced).compile())
     draw_bytes = 1024 * 1024 * 4
     # The default CPU lowering materialises the hash's state and bits (4 x the float32 draw on
     # JAX 0.10.2); unrolled, the draw, the cast and the update are one in-place loop.
@@ -132,19 +137,19 @@ def test_the_override_is_scoped_to_the_programs_it_lowers():
 
     before = plain_temp()
     traced = jax.jit(write_draw, donate_argnums=0).trace(buffer, key)
-    unrolled = memory(_threefry.lower(traced).compile()).temp_size_in_bytes
+    unrolled = memory(fused_lower(traced).compile()).temp_size_in_bytes
     if unrolled == before:
         pytest.skip("JAX's own CPU lowering fuses the draw too: there is no override to leak")
     assert plain_temp() == before
 
 
-def test_without_the_override_the_build_is_the_same(monkeypatch):
+def test_without_the_override_the_build_is_the_same():
     """A JAX without the lowering hook gets JAX's own lowering: more temporaries, same values."""
     keys = jax.random.split(jax.random.key(5), 3)
     fused = eqx_lean.build_stacked(every_draw, keys, jnp.bfloat16)
-    monkeypatch.setattr(_threefry, "_PARAMETERS", None)
-    assert not _threefry.fuses_threefry()
-    plain = eqx_lean.build_stacked(every_draw, keys, jnp.bfloat16)
+    with _compat.without_private_jax():
+        assert not _compat.can_override_lowering()
+        plain = eqx_lean.build_stacked(every_draw, keys, jnp.bfloat16)
     for a, b in zip(jax.tree.leaves(fused), jax.tree.leaves(plain), strict=True):
         assert a.dtype == b.dtype
         np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
@@ -164,6 +169,6 @@ def test_key_arithmetic_is_not_fused_into_the_draws_loop():
 
     buffer = jax.ShapeDtypeStruct((3, 512, 512), jnp.bfloat16)
     traced = jax.jit(write, donate_argnums=0).trace(buffer, jax.random.key(0))
-    compiled = _threefry.lower(traced).compile()
+    compiled = fused_lower(traced).compile()
     assert hlo_text(compiled).count(" while(") == 1  # the split's hash; the draw has none
     assert memory(compiled).temp_size_in_bytes <= 64 * 2**10

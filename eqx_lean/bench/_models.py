@@ -4,7 +4,8 @@ import dataclasses
 
 import equinox as eqx
 import jax
-from jaxtyping import PRNGKeyArray
+import jax.numpy as jnp
+from jaxtyping import Array, Float, PRNGKeyArray
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +49,21 @@ class Attention(eqx.Module):
         self.num_heads = config.heads
         self.num_kv_heads = config.kv_heads
 
+    def __call__(self, x: Float[Array, "batch seq dim"]) -> Float[Array, "batch seq dim"]:
+        """Causal grouped-query self-attention (no rotary embedding), softmax in float32."""
+        batch, seq, dim = x.shape
+        head_dim = dim // self.num_heads
+        groups = self.num_heads // self.num_kv_heads
+        q = _project(self.q_proj, x).reshape(batch, seq, self.num_kv_heads, groups, head_dim)
+        k = _project(self.k_proj, x).reshape(batch, seq, self.num_kv_heads, head_dim)
+        v = _project(self.v_proj, x).reshape(batch, seq, self.num_kv_heads, head_dim)
+        scores = jnp.einsum("btgrd,bsgd->bgrts", q, k) * head_dim**-0.5
+        causal = jnp.arange(seq)[:, None] >= jnp.arange(seq)[None, :]
+        scores = jnp.where(causal[None, None, None], scores, jnp.finfo(scores.dtype).min)
+        weights = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(x.dtype)
+        out = jnp.einsum("bgrts,bsgd->btgrd", weights, v).reshape(batch, seq, dim)
+        return _project(self.o_proj, out)
+
 
 class MLP(eqx.Module):
     gate_proj: eqx.nn.Linear
@@ -60,9 +76,18 @@ class MLP(eqx.Module):
         self.up_proj = eqx.nn.Linear(config.dim, config.hidden, use_bias=False, key=ku)
         self.down_proj = eqx.nn.Linear(config.hidden, config.dim, use_bias=False, key=kd)
 
+    def __call__(self, x: Float[Array, "... dim"]) -> Float[Array, "... dim"]:
+        """SwiGLU: `down(silu(gate(x)) * up(x))`."""
+        gate = jax.nn.silu(_project(self.gate_proj, x))
+        return _project(self.down_proj, gate * _project(self.up_proj, x))
+
 
 class Block(eqx.Module):
-    """The parameters of one Mistral decoder block (construction only: no forward pass)."""
+    """One Mistral-shaped decoder block: pre-norm attention and SwiGLU MLP, with residuals.
+
+    The forward pass (no rotary embedding) computes in the activations' dtype, so bfloat16
+    weights with float32 activations compute in float32, and normalises in float32.
+    """
 
     input_norm: eqx.nn.RMSNorm
     attention: Attention
@@ -75,6 +100,27 @@ class Block(eqx.Module):
         self.attention = Attention(config, key=ka)
         self.post_attention_norm = eqx.nn.RMSNorm(config.dim)
         self.mlp = MLP(config, key=km)
+
+    def __call__(self, x: Float[Array, "batch seq dim"]) -> Float[Array, "batch seq dim"]:
+        x = x + self.attention(_rms_norm(self.input_norm, x))
+        return x + self.mlp(_rms_norm(self.post_attention_norm, x))
+
+
+def _project(linear: eqx.nn.Linear, x: Float[Array, "... in"]) -> Float[Array, "... out"]:
+    # `eqx.nn.Linear` maps one vector; an einsum maps any leading axes.
+    return jnp.einsum("...i,oi->...o", x, linear.weight.astype(x.dtype))
+
+
+def _rms_norm(norm: eqx.nn.RMSNorm, x: Float[Array, "... dim"]) -> Float[Array, "... dim"]:
+    # `eqx.nn.RMSNorm` normalises one vector; this is its formula over the last axis, in float32.
+    x32 = x.astype(jnp.float32)
+    out = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + norm.eps)
+    broadcast = (1,) * (x.ndim - 1) + (-1,)
+    if norm.weight is not None:
+        out = out * norm.weight.astype(jnp.float32).reshape(broadcast)
+    if norm.bias is not None:
+        out = out + norm.bias.astype(jnp.float32).reshape(broadcast)
+    return out.astype(x.dtype)
 
 
 class Embeddings(eqx.Module):

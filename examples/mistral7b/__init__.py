@@ -1,4 +1,4 @@
-"""Mistral-7B built lean with eqx_lean: the model, HF conversion, generation and training.
+"""Mistral-7B built lean with eqx_lean: model, HF conversion, generation, training, LoRA.
 
 Run from the repository root, e.g. `python -m examples.mistral7b --help`.
 """
@@ -11,6 +11,13 @@ from .hf import (
     save_hf as save_hf,
     to_hf_state_dict as to_hf_state_dict,
 )
+from .lora import (
+    LoraConfig as LoraConfig,
+    LoraLinear as LoraLinear,
+    add_lora as add_lora,
+    lora_filter as lora_filter,
+    merge_lora as merge_lora,
+)
 from .model import (
     DecoderBlock as DecoderBlock,
     KVCache as KVCache,
@@ -18,3 +25,4 @@ from .model import (
     init as init,
     make_block as make_block,
 )
+from .peft_format import load_adapters as load_adapters, save_adapters as save_adapters

@@ -7,6 +7,13 @@
     anonymous memory (the mapped checkpoint pages are page cache), forward and decode.
 - `generate --checkpoint DIR --prompt TEXT` (needs `DIR/tokenizer.json`) or `--ids 1,2,3`.
 - `train`: the small byte-level training run on the bundled text.
+- `finetune --checkpoint DIR --data FILE --rank R --targets q k v o gate up down --steps N
+    --save-adapters OUT`: LoRA fine-tuning (optax AdamW on the adapters only, remat), adapters
+    written in PEFT's format; prints the peak RSS and the seconds per step.
+- `merge --checkpoint DIR --adapters AD --out OUT`: folds PEFT adapters into the base, layer by
+    layer in place, and writes a HF checkpoint.
+- `lora-memory --layers 4 --rank 16`: XLA's memory plan for one LoRA step of a full-width
+    model (compiled only, nothing allocated), to extrapolate to the full depth.
 """
 
 import argparse
@@ -190,6 +197,99 @@ def train_command(args: argparse.Namespace) -> None:
     print(f"held-out loss {held_out:.4f} nats/byte; unigram entropy {entropy:.4f}")
 
 
+def finetune_command(args: argparse.Namespace) -> None:
+    from . import load_hf
+    from .data import load_rows
+    from .finetune import FinetuneSettings, finetune
+    from .lora import LoraConfig
+    from .peft_format import save_adapters
+
+    lora_config = LoraConfig(
+        r=args.rank,
+        lora_alpha=args.alpha if args.alpha is not None else 2 * args.rank,
+        target_modules=tuple(args.targets),
+        use_rslora=args.rslora,
+        lora_dropout=args.dropout,
+    )
+    model = load_hf(args.checkpoint, dtype=args.dtype)
+    config = model.config
+    rows = load_rows(
+        args.data,
+        args.checkpoint,
+        vocab_size=config.vocab_size,
+        eos_token_id=config.eos_token_id,
+        seq_len=args.seq_len,
+    )
+    print(f"data: {rows.shape[0]} rows of {rows.shape[1]} tokens; model {model.dtype}")
+    settings = FinetuneSettings(
+        steps=args.steps,
+        batch_size=args.batch_size,
+        learning_rate=args.lr,
+        weight_decay=args.weight_decay,
+        seed=args.seed,
+    )
+    model, losses, seconds = finetune(model, rows, lora_config, settings, progress=True)
+    later = seconds[1:] or seconds
+    print(
+        f"loss {losses[0]:.4f} -> {losses[-1]:.4f}; first step {seconds[0]:.2f} s (with "
+        f"compilation), then {sum(later) / len(later):.3f} s/step; "
+        f"peak RSS {_gib(_status_kib('VmHWM'))}"
+    )
+    if args.save_adapters:
+        save_adapters(model, args.save_adapters)
+        print(f"adapters written to {args.save_adapters} (PEFT format)")
+
+
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "generation_config.json",
+)
+
+
+def merge_command(args: argparse.Namespace) -> None:
+    import shutil
+
+    from . import load_hf, save_hf
+    from .lora import merge_lora
+    from .peft_format import load_adapters
+
+    model = load_adapters(load_hf(args.checkpoint, dtype=args.dtype), args.adapters)
+    # The base weights were loaded for this merge alone, so they are updated in place.
+    save_hf(merge_lora(model, donate=True), args.out)
+    for name in _TOKENIZER_FILES:
+        if os.path.isfile(os.path.join(args.checkpoint, name)):
+            shutil.copy2(os.path.join(args.checkpoint, name), os.path.join(args.out, name))
+    print(f"merged checkpoint written to {args.out}; peak RSS {_gib(_status_kib('VmHWM'))}")
+
+
+def lora_memory_command(args: argparse.Namespace) -> None:
+    from . import MistralConfig
+    from .finetune import step_memory
+    from .lora import LoraConfig
+
+    config = dataclasses.replace(
+        MistralConfig.preset(args.preset), num_hidden_layers=args.layers, dtype=args.dtype
+    )
+    lora_config = LoraConfig(
+        r=args.rank, lora_alpha=2 * args.rank, target_modules=tuple(args.targets)
+    )
+    plan = step_memory(
+        config, lora_config, batch_size=args.batch_size, seq_len=args.seq_len, dtype=args.dtype
+    )
+    print(
+        f"{args.preset} width, {args.layers} layers, {args.dtype}, LoRA rank {args.rank} on "
+        f"{', '.join(lora_config.target_modules)}, batch {args.batch_size} x {args.seq_len}:"
+    )
+    for name, nbytes in plan.items():
+        print(f"  {name:10} {nbytes / 2**20:10.1f} MiB")
+
+
+_ALL_TARGETS = ["q", "k", "v", "o", "gate", "up", "down"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         prog="python -m examples.mistral7b",
@@ -227,6 +327,41 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(run=train_command)
+
+    p = commands.add_parser("finetune", help="LoRA fine-tuning of a HF checkpoint (PEFT format)")
+    p.add_argument("--checkpoint", required=True, help="HF checkpoint directory (load_hf)")
+    p.add_argument("--data", required=True, help="a text file, or JSONL with a `text` field")
+    p.add_argument("--rank", type=int, default=8)
+    p.add_argument("--alpha", type=float, default=None, help="lora_alpha (default 2 x rank)")
+    p.add_argument("--targets", nargs="+", default=_ALL_TARGETS, help="q k v o gate up down")
+    p.add_argument("--rslora", action="store_true", help="scale by alpha / sqrt(rank)")
+    p.add_argument("--dropout", type=float, default=0.0, help="LoRA dropout")
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--dtype", default=None, help="the base's dtype (default: the checkpoint's)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--save-adapters", default="", help="write the adapters here (PEFT format)")
+    p.set_defaults(run=finetune_command)
+
+    p = commands.add_parser("merge", help="fold PEFT adapters into a HF checkpoint")
+    p.add_argument("--checkpoint", required=True, help="the base HF checkpoint directory")
+    p.add_argument("--adapters", required=True, help="a PEFT adapter directory")
+    p.add_argument("--out", required=True, help="where to write the merged HF checkpoint")
+    p.add_argument("--dtype", default=None, help="the merged dtype (default: the checkpoint's)")
+    p.set_defaults(run=merge_command)
+
+    p = commands.add_parser("lora-memory", help="XLA's memory plan of one LoRA training step")
+    p.add_argument("--preset", default="v0.1", choices=["v0.1", "v0.3"])
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--targets", nargs="+", default=_ALL_TARGETS)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.set_defaults(run=lora_memory_command)
 
     args = parser.parse_args()
     args.run(args)

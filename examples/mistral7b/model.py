@@ -21,9 +21,64 @@ import eqx_lean
 from .config import MistralConfig
 
 
-def _project(linear: eqx.nn.Linear, x: Float[Array, "... in"]) -> Float[Array, "... out"]:
-    # `eqx.nn.Linear` maps one vector; an einsum maps any leading axes, like torch's Linear.
-    return jnp.einsum("...i,oi->...o", x, linear.weight)
+def _accumulated_product(x: Array, weight: Array) -> Array:
+    out = jnp.einsum("...i,oi->...o", x, weight, preferred_element_type=jnp.float32)
+    return out.astype(x.dtype)
+
+
+@jax.custom_vjp
+def _low_precision_product(x: Array, weight: Array) -> Array:
+    return _accumulated_product(x, weight)
+
+
+def _low_precision_product_fwd(x: Array, weight: Array) -> tuple[Array, tuple[Array, Array]]:
+    return _accumulated_product(x, weight), (x, weight)
+
+
+def _low_precision_product_bwd(
+    residuals: tuple[Array, Array], cotangent: Array
+) -> tuple[Array, Array]:
+    # Autodiff would transpose the float32-result dot into a dot of a float32 cotangent with
+    # the bfloat16 weight, for which XLA:CPU copies the weight to float32 (500 MiB for a
+    # Mistral-7B head). The cotangent of the rounded output is bfloat16 already, so both
+    # products take bfloat16 operands and accumulate in float32, as torch's backward does.
+    x, weight = residuals
+    f32 = jnp.float32
+    dx = jnp.einsum("...o,oi->...i", cotangent, weight, preferred_element_type=f32)
+    dweight = jnp.einsum("...o,...i->oi", cotangent, x, preferred_element_type=f32)
+    return dx.astype(x.dtype), dweight.astype(weight.dtype)
+
+
+_low_precision_product.defvjp(_low_precision_product_fwd, _low_precision_product_bwd)
+
+
+def linear_product(
+    x: Float[Array, "... in"], weight: Float[Array, "out in"]
+) -> Float[Array, "... out"]:
+    """`x @ weight.T` over any leading axes, accumulated in float32 and rounded to `x`'s dtype.
+
+    For bfloat16 operands this is torch's CPU semantics (float32 accumulation, one rounding of
+    the output), and on XLA:CPU it is also what keeps the product lean: a plain bfloat16 dot
+    is lowered by first copying the weight to float32 (16 MiB of temporaries for a 2048 x 2048
+    matrix), whereas a dot asked for a float32 result reads the bfloat16 weight as it is. The
+    gradients of a 16-bit product are computed the same way (a custom VJP), so forward-mode
+    differentiation (`jax.jvp`) of a bfloat16 model is not supported; float32 models take
+    JAX's own derivatives.
+    """
+    if x.dtype == weight.dtype and jnp.finfo(x.dtype).bits < 32:
+        return _low_precision_product(x, weight)
+    return _accumulated_product(x, weight)
+
+
+def _project(
+    linear: Any, x: Float[Array, "... in"], key: PRNGKeyArray | None = None
+) -> Float[Array, "... out"]:
+    """Applies a projection: an `eqx.nn.Linear` (no bias), or any module with a
+    `project(x, key=...)` method, such as a LoRA-adapted linear (`lora.LoraLinear`)."""
+    if isinstance(linear, eqx.nn.Linear):
+        # `eqx.nn.Linear` maps one vector; an einsum maps any leading axes, like torch's Linear.
+        return linear_product(x, linear.weight)
+    return linear.project(x, key=key)
 
 
 class RMSNorm(eqx.Module):
@@ -53,6 +108,11 @@ def rotary_cos_sin(
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
     angles = jnp.concatenate([angles, angles], axis=-1)
     return jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
+
+
+def _split_key(key: PRNGKeyArray | None, num: int) -> list[PRNGKeyArray | None]:
+    """`num` keys from `key`, or `num` Nones (no randomness: inference)."""
+    return [None] * num if key is None else list(jax.random.split(key, num))
 
 
 def _rotate_half(x: Float[Array, "... d"]) -> Float[Array, "... d"]:
@@ -100,8 +160,12 @@ class Attention(eqx.Module):
         positions: Int[Array, " seq"],
         past: KV | None = None,
         past_positions: Int[Array, " past"] | None = None,
+        *,
+        key: PRNGKeyArray | None = None,
     ) -> tuple[Float[Array, "batch seq hidden"], KV]:
         """Attends from `x` to itself and to `past` (keys and values already rotated).
+
+        `key`, when given, is split between the four projections (for LoRA dropout).
 
         **Returns:**
 
@@ -110,9 +174,10 @@ class Attention(eqx.Module):
         batch, seq, _ = x.shape
         groups = self.num_heads // self.num_kv_heads
         cos, sin = rotary
-        q = _project(self.q_proj, x).reshape(batch, seq, self.num_heads, self.head_dim)
-        k = _project(self.k_proj, x).reshape(batch, seq, self.num_kv_heads, self.head_dim)
-        v = _project(self.v_proj, x).reshape(batch, seq, self.num_kv_heads, self.head_dim)
+        q_key, k_key, v_key, o_key = _split_key(key, 4)
+        q = _project(self.q_proj, x, q_key).reshape(batch, seq, self.num_heads, self.head_dim)
+        k = _project(self.k_proj, x, k_key).reshape(batch, seq, self.num_kv_heads, self.head_dim)
+        v = _project(self.v_proj, x, v_key).reshape(batch, seq, self.num_kv_heads, self.head_dim)
         q, k = _apply_rotary(q, cos, sin), _apply_rotary(k, cos, sin)
 
         keys, values, key_positions = k, v, positions
@@ -130,7 +195,7 @@ class Attention(eqx.Module):
         weights = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(x.dtype)
         out = jnp.einsum("bgrts,bsgd->btgrd", weights, values)
         out = out.reshape(batch, seq, self.num_heads * self.head_dim)
-        return _project(self.o_proj, out), (k, v)
+        return _project(self.o_proj, out, o_key), (k, v)
 
 
 class MLP(eqx.Module):
@@ -140,9 +205,12 @@ class MLP(eqx.Module):
     up_proj: eqx.nn.Linear
     down_proj: eqx.nn.Linear
 
-    def __call__(self, x: Float[Array, "... hidden"]) -> Float[Array, "... hidden"]:
-        gate = jax.nn.silu(_project(self.gate_proj, x))
-        return _project(self.down_proj, gate * _project(self.up_proj, x))
+    def __call__(
+        self, x: Float[Array, "... hidden"], *, key: PRNGKeyArray | None = None
+    ) -> Float[Array, "... hidden"]:
+        gate_key, up_key, down_key = _split_key(key, 3)
+        gate = jax.nn.silu(_project(self.gate_proj, x, gate_key))
+        return _project(self.down_proj, gate * _project(self.up_proj, x, up_key), down_key)
 
 
 class DecoderBlock(eqx.Module):
@@ -160,12 +228,15 @@ class DecoderBlock(eqx.Module):
         positions: Int[Array, " seq"],
         past: KV | None = None,
         past_positions: Int[Array, " past"] | None = None,
+        *,
+        key: PRNGKeyArray | None = None,
     ) -> tuple[Float[Array, "batch seq hidden"], KV]:
+        attn_key, mlp_key = _split_key(key, 2)
         attended, kv = self.self_attn(
-            self.input_layernorm(x), rotary, positions, past, past_positions
+            self.input_layernorm(x), rotary, positions, past, past_positions, key=attn_key
         )
         x = x + attended
-        return x + self.mlp(self.post_attention_layernorm(x)), kv
+        return x + self.mlp(self.post_attention_layernorm(x), key=mlp_key), kv
 
 
 class KVCache(eqx.Module):
@@ -244,6 +315,7 @@ class Mistral(eqx.Module):
         past_positions: Int[Array, " past"] | None,
         *,
         remat: bool | None = None,
+        key: PRNGKeyArray | None = None,
     ) -> tuple[Float[Array, "batch seq vocab"], KV | None]:
         if input_ids.ndim != 2:
             raise ValueError(f"`input_ids` must have shape [batch, seq]; got {input_ids.shape}.")
@@ -251,16 +323,25 @@ class Mistral(eqx.Module):
         config = self.config
         rotary = rotary_cos_sin(positions, config.resolved_head_dim, config.rope_theta, x.dtype)
         keep_kv = past is not None
+        # One key per layer, sliced by the scan like the cache.
+        layer_keys = None if key is None else jax.random.split(key, config.num_hidden_layers)
 
-        def call(block: DecoderBlock, x: Array, past_i: KV | None) -> tuple[Array, KV | None]:
-            x, kv = block(x, rotary, positions, past_i, past_positions)
+        def call(
+            block: DecoderBlock, x: Array, per_layer: tuple[KV | None, PRNGKeyArray | None]
+        ) -> tuple[Array, KV | None]:
+            past_i, key_i = per_layer
+            x, kv = block(x, rotary, positions, past_i, past_positions, key=key_i)
             return x, (kv if keep_kv else None)
 
-        x, new_kv = eqx_lean.scan(self.layers, x, past, call=call, remat=remat)
+        x, new_kv = eqx_lean.scan(self.layers, x, (past, layer_keys), call=call, remat=remat)
         return _project(self.lm_head, self.norm(x)), new_kv
 
     def __call__(
-        self, input_ids: Int[Array, "batch seq"], *, remat: bool | None = None
+        self,
+        input_ids: Int[Array, "batch seq"],
+        *,
+        remat: bool | None = None,
+        key: PRNGKeyArray | None = None,
     ) -> Float[Array, "batch seq vocab"]:
         """Logits for every position of `input_ids` (causal, from position 0).
 
@@ -268,13 +349,15 @@ class Mistral(eqx.Module):
 
         - `input_ids`: integer token ids of shape `[batch, seq]`.
         - `remat`: recompute each block's activations in the backward pass (for training).
+        - `key`: randomness for training-time layers (LoRA dropout, see `lora.py`); `None`
+            runs them deterministically, as in inference.
 
         **Returns:**
 
         Logits of shape `[batch, seq, vocab]`, in the model's dtype.
         """
         positions = jnp.arange(input_ids.shape[1], dtype=jnp.int32)
-        logits, _ = self._logits(input_ids, positions, None, None, remat=remat)
+        logits, _ = self._logits(input_ids, positions, None, None, remat=remat, key=key)
         return logits
 
     def step(

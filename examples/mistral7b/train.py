@@ -52,10 +52,17 @@ def batches(data: np.ndarray, batch_size: int, seq_len: int, *, seed: int) -> It
 
 
 def next_token_loss(
-    model: Mistral, input_ids: Int[Array, "batch seq"], *, remat: bool = True
+    model: Mistral,
+    input_ids: Int[Array, "batch seq"],
+    *,
+    remat: bool = True,
+    key: PRNGKeyArray | None = None,
 ) -> Float[Array, ""]:
-    """Mean cross-entropy of predicting token `t+1` from tokens `<= t` (as HF's `labels`)."""
-    logits = model(input_ids, remat=remat)[:, :-1].astype(jnp.float32)
+    """Mean cross-entropy of predicting token `t+1` from tokens `<= t` (as HF's `labels`).
+
+    `key` is the model's training randomness (LoRA dropout); `None` for none.
+    """
+    logits = model(input_ids, remat=remat, key=key)[:, :-1].astype(jnp.float32)
     targets = input_ids[:, 1:]
     log_probs = jax.nn.log_softmax(logits, axis=-1)
     picked = jnp.take_along_axis(log_probs, targets[..., None], axis=-1)

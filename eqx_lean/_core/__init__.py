@@ -1,0 +1,72 @@
+"""The one engine under `build_stacked`, the loaders, `init.chunked` and `memory.estimate`.
+
+This is eqx_lean's documented internal API: the public functions are built from it, and the
+scripts in `benchmarks/` may use it. It is not public API and may change between releases.
+
+- `layout`: how a layer splits into array leaves and a static part (`Layout`), the checks of
+  `keys` and of a stacked module's layer axis, the leaves' target structs and write groups.
+- `policy`: dtype rules and the one sharding resolver (`resolve_shardings`), validator
+  (`check_spec`) and error format; `fsdp`.
+- `program`: `make_layer` traced once (`trace_layer`), with a key by content.
+- `writes`: allocation, donated row writes, the build plan (`plan_build`), its compiled writes
+  (`compile_writes`, cached by content in `WRITES`; `lower_writes` for inspection) and `fill`.
+
+Platform tricks live in `eqx_lean._platform` (re-exported here: `Tricks`, `lower`), private JAX
+in `eqx_lean._compat`.
+"""
+
+from .._platform import Tricks as Tricks, lower as lower
+from .layout import (
+    Layout as Layout,
+    is_array_like as is_array_like,
+    leaf_groups as leaf_groups,
+    nbytes as nbytes,
+    num_layers_of_keys as num_layers_of_keys,
+    num_layers_of_stack as num_layers_of_stack,
+    struct_of as struct_of,
+    target_structs as target_structs,
+    zeros_like_struct as zeros_like_struct,
+)
+from .policy import (
+    DtypePolicy as DtypePolicy,
+    KeyPath as KeyPath,
+    LayerAxis as LayerAxis,
+    ShardingPolicy as ShardingPolicy,
+    axis_names as axis_names,
+    check_dtype_policy as check_dtype_policy,
+    check_layer_axis as check_layer_axis,
+    check_spec as check_spec,
+    current_mesh as current_mesh,
+    fsdp as fsdp,
+    has_explicit_axes as has_explicit_axes,
+    is_floating as is_floating,
+    leaf_dtype as leaf_dtype,
+    per_layer_sharding as per_layer_sharding,
+    resolve_shardings as resolve_shardings,
+    stacked_sharding as stacked_sharding,
+    stacked_shardings as stacked_shardings,
+)
+from .program import LayerProgram as LayerProgram, trace_layer as trace_layer
+from .writes import (
+    WRITES as WRITES,
+    BuildPlan as BuildPlan,
+    Group as Group,
+    allocate as allocate,
+    as_bits as as_bits,
+    clear_caches as clear_caches,
+    compile_row_writes as compile_row_writes,
+    compile_writes as compile_writes,
+    delete_arrays as delete_arrays,
+    fill as fill,
+    fill_traced as fill_traced,
+    is_traced as is_traced,
+    layers_per_call as layers_per_call,
+    lower_writes as lower_writes,
+    memory_analysis as memory_analysis,
+    plan_build as plan_build,
+    trace_writes as trace_writes,
+    update_rows as update_rows,
+    write_layer as write_layer,
+    write_rows as write_rows,
+    write_temp_bytes as write_temp_bytes,
+)

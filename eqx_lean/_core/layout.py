@@ -1,0 +1,142 @@
+"""How a layer splits into stacked array leaves and everything else, and what stacking it needs."""
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jaxtyping import Array
+
+from .policy import DtypePolicy, leaf_dtype
+
+
+Structs = tuple[jax.ShapeDtypeStruct, ...]
+
+
+def is_array_like(x: Any) -> bool:
+    return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
+
+
+def struct_of(x: Any) -> jax.ShapeDtypeStruct:
+    """A `ShapeDtypeStruct` as is; for an array, its shape, dtype and weak type (no sharding)."""
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return x
+    return jax.ShapeDtypeStruct(np.shape(x), x.dtype, weak_type=bool(getattr(x, "weak_type", 0)))
+
+
+def nbytes(struct: Any) -> int:
+    return int(np.prod(struct.shape)) * np.dtype(struct.dtype).itemsize
+
+
+class Layout(NamedTuple):
+    """How one layer splits into array leaves (stacked) and everything else (kept as is)."""
+
+    paths: tuple[Any, ...]
+    structs: Structs
+    treedef: Any
+    static: Any
+
+    @classmethod
+    def of(cls, layer: Any) -> "Layout":
+        dynamic, static = eqx.partition(layer, is_array_like)
+        path_leaves, treedef = jax.tree_util.tree_flatten_with_path(dynamic)
+        paths = tuple(path for path, _ in path_leaves)
+        structs = tuple(struct_of(leaf) for _, leaf in path_leaves)
+        return cls(paths, structs, treedef, static)
+
+    def combine(self, leaves: Sequence[Any]) -> Any:
+        return eqx.combine(jax.tree.unflatten(self.treedef, leaves), self.static)
+
+    def describe(self, index: int) -> str:
+        return jax.tree_util.keystr(self.paths[index])
+
+
+def num_layers_of_keys(keys: Any) -> int:
+    """The number of layers `keys` makes (its leading axis), after checking it is a key array."""
+    if not isinstance(keys, jax.Array | np.ndarray):
+        raise TypeError(
+            "`keys` must be a key array with a leading layer axis, e.g. "
+            f"`jax.random.split(key, num_layers)`; got {type(keys).__name__}."
+        )
+    if jnp.issubdtype(keys.dtype, jax.dtypes.prng_key):
+        expected_ndim = 1
+    else:
+        raw_shape = jax.eval_shape(lambda: jax.random.PRNGKey(0)).shape
+        if keys.dtype != jnp.uint32 or keys.shape[1:] != raw_shape:
+            raise ValueError(
+                "`keys` must be a typed key array of shape (num_layers,) or raw uint32 keys of "
+                f"shape (num_layers, {', '.join(map(str, raw_shape))}) for the configured PRNG "
+                f"implementation; got {keys.dtype}{list(keys.shape)}."
+            )
+        expected_ndim = 1 + len(raw_shape)
+    if keys.ndim != expected_ndim:
+        raise ValueError(
+            "`keys` must have exactly one leading layer axis (one key per layer), e.g. "
+            f"`jax.random.split(key, num_layers)`; got {keys.dtype}{list(keys.shape)}."
+        )
+    if keys.shape[0] == 0:
+        raise ValueError("`keys` must hold at least one key (one per layer); got an empty array.")
+    return keys.shape[0]
+
+
+def num_layers_of_stack(dynamic: Any, what: str = "stacked") -> int:
+    """The length of the leading layer axis shared by every array leaf of `dynamic`."""
+    leaves = jax.tree.leaves(dynamic)
+    if not leaves:
+        raise ValueError(f"`{what}` has no array leaves, so it has no layer axis.")
+    lengths = {np.shape(x)[0] if np.ndim(x) else None for x in leaves}
+    (length,) = lengths if len(lengths) == 1 else (None,)
+    if length is None:
+        raise ValueError(
+            f"`{what}` must have one leading layer axis of the same length on every array leaf; "
+            f"found leading axes {sorted(str(n) for n in lengths)}."
+        )
+    return length
+
+
+def target_structs(layout: Layout, num_layers: int, dtype: DtypePolicy) -> Structs:
+    """The stacked leaves `(num_layers, *leaf.shape)` in the dtypes `dtype` chooses."""
+    structs = []
+    for path, leaf in zip(layout.paths, layout.structs, strict=True):
+        target, weak = leaf_dtype(dtype, path, leaf)
+        structs.append(jax.ShapeDtypeStruct((num_layers, *leaf.shape), target, weak_type=weak))
+    return tuple(structs)
+
+
+def zeros_like_struct(struct: jax.ShapeDtypeStruct) -> Array:
+    """Zeros of `struct`'s shape and dtype, weakly typed where `struct` is."""
+    if struct.weak_type:
+        # Python scalars are the one public way to make a weakly typed array.
+        zero = jax.dtypes.scalar_type_of(jnp.zeros((), struct.dtype))(0)
+        filled = lax.full(struct.shape, zero)
+        if filled.dtype == struct.dtype:
+            return filled
+    return jnp.zeros(struct.shape, struct.dtype)
+
+
+def leaf_groups(structs: Sequence[jax.ShapeDtypeStruct]) -> tuple[tuple[int, ...], ...]:
+    """Groups leaf indices so that no group builds more than the largest leaf does.
+
+    XLA removes whatever a compiled function does not return, so a write that returns one group
+    of leaves creates (and draws random numbers for) only those leaves: the group bounds the
+    temporaries. Small leaves share a group to keep the number of compiled functions low.
+    """
+    if not structs:
+        return ()
+    sizes = [nbytes(s) for s in structs]
+    budget = max(sizes)
+    groups: list[list[int]] = []
+    totals: list[int] = []
+    for index in sorted(range(len(structs)), key=lambda j: -sizes[j]):
+        for g, total in enumerate(totals):
+            if total + sizes[index] <= budget:
+                groups[g].append(index)
+                totals[g] += sizes[index]
+                break
+        else:
+            groups.append([index])
+            totals.append(sizes[index])
+    return tuple(tuple(sorted(g)) for g in groups)

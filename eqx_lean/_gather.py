@@ -1,0 +1,221 @@
+"""ZeRO-3 for `fold` and `scan`: each layer's parameters gathered just before the layer runs.
+
+A stack sharded within each layer (for example by `build_stacked(..., sharding=fsdp(mesh))`)
+keeps only its shard on each device. Inside the loop, the layer sliced out of the stack is
+constrained to the sharding its computation needs (by default, replicated over the mesh), so
+the layer's own code runs unchanged on Explicit and Auto meshes alike, and per-device memory is
+the stack's shard plus about one gathered layer. Under differentiation, the transpose of that
+constraint brings each layer's gradient back to the stack's own sharding (a reduce-scatter).
+"""
+
+from collections.abc import Callable, Sequence
+from typing import Any, TypeAlias
+
+import jax
+from jax import lax
+from jax.core import Tracer
+from jax.experimental.shard_alike import shard_alike
+from jax.sharding import NamedSharding, PartitionSpec, Sharding
+
+# The package's one sharding resolver: `build_stacked(sharding=...)` means the same.
+from ._core import ShardingPolicy, has_explicit_axes, resolve_shardings
+
+
+Gather: TypeAlias = bool | ShardingPolicy
+_Step: TypeAlias = Callable[[Any, Any, Any], tuple[Any, Any]]
+_Targets: TypeAlias = tuple[NamedSharding | None, ...]
+
+_GATHER_FORMS = (
+    "`gather` must be True (gather each layer's parameters, replicated over their mesh), False "
+    "(keep them as they are), or a sharding policy as for `build_stacked`'s `sharding=`: one "
+    "Sharding or PartitionSpec, a pytree prefix of the layer, or a rule `(path, leaf) -> "
+    "sharding`, per layer (without the layer axis)"
+)
+
+
+def _mesh_of(leaf: Any) -> Any:
+    """The abstract mesh a stacked leaf lies on, or None when it lies on no mesh."""
+    sharding = getattr(jax.typeof(leaf), "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or mesh.empty:
+        return None
+    return mesh
+
+
+def _concrete_mesh(leaves: Sequence[Any]) -> Any:
+    """The concrete mesh of the stack's leaves, when any is a concrete named-sharded array."""
+    for leaf in leaves:
+        if isinstance(leaf, jax.Array) and not isinstance(leaf, Tracer):
+            if isinstance(leaf.sharding, NamedSharding):
+                return leaf.sharding.mesh
+    return None
+
+
+def _describe(mesh: Any) -> str:
+    return "{" + ", ".join(f"{name!r}: {size}" for name, size in mesh.shape.items()) + "}"
+
+
+def _same_mesh(a: Any, b: Any) -> bool:
+    a, b = a.abstract_mesh, b.abstract_mesh
+    return a.axis_names == b.axis_names and a.axis_sizes == b.axis_sizes
+
+
+def _check_gather(gather: Any) -> None:
+    if gather is None or (not isinstance(gather, bool) and isinstance(gather, int | float | str)):
+        raise TypeError(f"{_GATHER_FORMS}; got {gather!r}.")
+
+
+def _resolve_policy(
+    gather: ShardingPolicy, paths: Sequence[Any], leaves: Sequence[Any], treedef: Any
+) -> _Targets:
+    meshes = [_mesh_of(leaf) for leaf in leaves]
+    on_mesh = [(path, m) for path, m in zip(paths, meshes, strict=True) if m is not None]
+    if not on_mesh:
+        raise ValueError(
+            f"`gather` is a sharding policy ({gather!r}), but no array leaf of `stacked` lies on "
+            "a device mesh (none has a NamedSharding): there is nothing to gather. Pass "
+            "`gather=True` or `gather=False`, or shard the stack first."
+        )
+    first_path, mesh = on_mesh[0]
+    for path, other in on_mesh[1:]:
+        if not _same_mesh(other, mesh):
+            raise ValueError(
+                f"`gather` is a sharding policy, which names one mesh, but the leaves of "
+                f"`stacked` lie on different meshes: {jax.tree_util.keystr(first_path)} on "
+                f"{_describe(mesh)}, {jax.tree_util.keystr(path)} on {_describe(other)}."
+            )
+    # Per layer, as the rule sees them in `build_stacked`: shapes without the layer axis.
+    structs = [jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype) for leaf in leaves]
+    resolved = resolve_shardings(
+        gather, _concrete_mesh(leaves) or mesh, paths, structs, treedef, argument="gather"
+    )
+    targets = []
+    for path, leaf_mesh, chosen in zip(paths, meshes, resolved, strict=True):
+        targets.append(_target(path, leaf_mesh, chosen))
+    return tuple(targets)
+
+
+def _target(path: Any, leaf_mesh: Any, chosen: Sharding | None) -> NamedSharding | None:
+    """The sharding one layer's leaf is gathered to, on the mesh the stack's leaf lies on."""
+    if chosen is None:
+        return None
+    where = f"leaf {jax.tree_util.keystr(path)}"
+    if leaf_mesh is None:
+        raise ValueError(
+            f"`gather` gives {where} the sharding {chosen}, but that leaf of `stacked` lies on "
+            "no device mesh; give it None, or shard the stack first."
+        )
+    if not isinstance(chosen, NamedSharding):  # a fully replicated Sharding, as resolved
+        return NamedSharding(leaf_mesh, PartitionSpec())
+    if not _same_mesh(chosen.mesh, leaf_mesh):
+        raise ValueError(
+            f"`gather` gives {where} a sharding on the mesh {_describe(chosen.mesh)}, but the "
+            f"leaf lies on the mesh {_describe(leaf_mesh)}: gather within the stack's own mesh."
+        )
+    # The spec on the leaf's own (abstract) mesh: its axis types decide reshard or constraint.
+    return NamedSharding(leaf_mesh, chosen.spec)
+
+
+def gather_targets(dynamic: Any, gather: Gather) -> _Targets:
+    """Each stacked leaf's per-layer sharding inside the loop; `None` leaves it as it is.
+
+    **Arguments:**
+
+    - `dynamic`: the stack's array part, every leaf with a leading layer axis.
+    - `gather`: `True`, `False` or a sharding policy, as `fold`'s and `scan`'s `gather=`.
+
+    **Returns:**
+
+    One `NamedSharding` (on the leaf's abstract mesh, without the layer axis) or `None` per
+    array leaf, in `jax.tree.leaves` order.
+    """
+    _check_gather(gather)
+    path_leaves, treedef = jax.tree_util.tree_flatten_with_path(dynamic)
+    paths = [path for path, _ in path_leaves]
+    leaves = [leaf for _, leaf in path_leaves]
+    if gather is False:
+        return (None,) * len(leaves)
+    if gather is True:
+        meshes = [_mesh_of(leaf) for leaf in leaves]
+        return tuple(None if m is None else NamedSharding(m, PartitionSpec()) for m in meshes)
+    return _resolve_policy(gather, paths, leaves, treedef)
+
+
+def _constrain(x: Any, target: NamedSharding) -> Any:
+    if has_explicit_axes(target):
+        return jax.sharding.reshard(x, target)
+    return lax.with_sharding_constraint(x, target)
+
+
+def gathered_step(step: _Step, targets: _Targets) -> _Step:
+    """Wraps the per-layer step: the sliced layer's leaves are constrained to `targets` first.
+
+    The gathered parameters are never saved for the backward pass, whatever the `remat` policy:
+    like ZeRO-3, the backward pass gathers each layer again from its shard.
+    """
+    if all(t is None for t in targets):
+        return step
+
+    def gather_leaves(leaves: list[Any]) -> list[Any]:
+        # Without the barrier, on Auto axes XLA:CPU gathers the slice with its layer axis still
+        # attached and gives the whole stack a new layout to suit it: a copy of the stack's
+        # shard before the loop (52 MiB per device beside a 26 MiB layer on 8 devices in
+        # `benchmarks/sharded_forward.py`). After the barrier the slice is a layer of its own.
+        leaves = lax.optimization_barrier(leaves)
+        return [x if t is None else _constrain(x, t) for x, t in zip(leaves, targets, strict=True)]
+
+    # Saved as residuals, the gathered layers of a whole stack would be held at once.
+    gather_leaves = jax.checkpoint(
+        gather_leaves, prevent_cse=False, policy=jax.checkpoint_policies.nothing_saveable
+    )
+
+    def step_on_gathered(layer: Any, carry: Any, x: Any) -> tuple[Any, Any]:
+        leaves, treedef = jax.tree.flatten(layer)
+        return step(jax.tree.unflatten(treedef, gather_leaves(leaves)), carry, x)
+
+    return step_on_gathered
+
+
+def _auto_mesh_leaves(leaves: Sequence[Any], targets: _Targets) -> list[bool]:
+    return [
+        t is not None and t.mesh.size > 1 and not has_explicit_axes(t)
+        for leaf, t in zip(leaves, targets, strict=True)
+    ]
+
+
+def _tie_to(cotangent: Any, primal: Any) -> Any:
+    if isinstance(primal, jax.Array) and not isinstance(primal, Tracer):
+        return lax.with_sharding_constraint(cotangent, primal.sharding)
+    return shard_alike(cotangent, primal)[0]
+
+
+def tie_gradient_shardings(dynamic: Any, targets: _Targets) -> Any:
+    """The stack unchanged; its gradient placed as the stack is, on Auto meshes.
+
+    With Explicit axes, `reshard`'s transpose already returns each layer's gradient to the
+    stack's sharding. With Auto axes, a tracer does not carry its sharding and the transpose of
+    `with_sharding_constraint` is the same (gathered) constraint, which would leave the gradient
+    replicated: `shard_alike` makes the partitioner give it the stack's own sharding instead.
+    """
+    leaves, treedef = jax.tree.flatten(dynamic)
+    tied = _auto_mesh_leaves(leaves, targets)
+    if not any(tied):
+        return dynamic
+
+    @jax.custom_vjp
+    def tie(leaves: list[Any]) -> list[Any]:
+        return leaves
+
+    def tie_fwd(leaves: list[Any]) -> tuple[list[Any], list[Any]]:
+        return leaves, leaves
+
+    def tie_bwd(primals: list[Any], cotangents: list[Any]) -> tuple[list[Any]]:
+        return (
+            [
+                _tie_to(c, p) if is_tied else c
+                for c, p, is_tied in zip(cotangents, primals, tied, strict=True)
+            ],
+        )
+
+    tie.defvjp(tie_fwd, tie_bwd)
+    return jax.tree.unflatten(treedef, tie(leaves))

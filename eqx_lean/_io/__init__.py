@@ -1,0 +1,11 @@
+"""Streaming checkpoint I/O: models with stacked layers to and from safetensors files.
+
+- `names`: tensor-name templates (`TensorName`, `{i}` for the layer index);
+- `safetensors`: the file format, checkpoint directories and indexes, memory maps;
+- `load`: `load_stacked`, `load_tensors`;
+- `save`: `save_stacked`, `save_tensors`.
+"""
+
+from .load import load_stacked as load_stacked, load_tensors as load_tensors
+from .names import LAYER as LAYER, TensorName as TensorName
+from .save import save_stacked as save_stacked, save_tensors as save_tensors

@@ -1,0 +1,9 @@
+"""Memory before, while and after building: estimates, measurements and live-array reports."""
+
+from .estimates import MemoryEstimate as MemoryEstimate, estimate as estimate
+from .live import (
+    LiveArrayGroup as LiveArrayGroup,
+    LiveArrayReport as LiveArrayReport,
+    live_arrays as live_arrays,
+)
+from .measurements import Measurement as Measurement, measure as measure

@@ -1,0 +1,141 @@
+"""Tricks measured on one platform, applied only to programs compiled for that platform.
+
+Each trick below was introduced for a measurement on XLA:CPU, and is decided per program from
+the platform it is compiled for (`Tricks.for_platform`), never globally:
+
+- `fused_threefry`: lower Threefry unrolled (`_threefry`), so random draws fuse into the
+  in-place writes. XLA:CPU lowers it as a rolled loop whose state is as large as the draw
+  (4x a float32 leaf in temporaries); JAX's GPU and TPU lowerings are unrolled already, and the
+  override would add two `while` loops there (for key arithmetic).
+- `licm_off`: compile the writes without loop-invariant code motion, which on XLA:CPU hoists
+  the fused draw's leaf-sized counters out of the loop over layers (448 MiB instead of 1 KiB
+  for a Mistral-7B MLP write).
+- `bit_writes`: write floating rows as unsigned-integer bits; XLA:CPU updates bfloat16 in place
+  several times slower than `uint16`.
+- `layer_runs`: each call of a compiled write fills a run of layers in a loop, so that XLA:CPU
+  allocates (and the kernel zeroes) its temporaries once per run rather than once per layer
+  (about a fifth of a build's time). On an H100 target the loop costs a copy of the whole
+  donated group for initialisers that change layouts (a QR: 168 MiB instead of 21 MiB for the
+  default bench's orthogonal block), so elsewhere each call writes one layer, without a loop.
+- `trim_host_heap`: `malloc_trim` after each write, so glibc returns XLA:CPU's freed
+  temporaries to the system (CPU programs with glibc only: elsewhere temporaries live in the
+  device's own pool).
+- scan's optimisation barrier (`barrier_on_cpu`): ties the stack to the loop index so XLA:CPU,
+  which slices bfloat16 in float32, does not hoist a float32 copy of the whole stack.
+
+The H100-target figures that decide the non-CPU side are in `docs/benchmarks.md`
+(`benchmarks/gpu_target.py`).
+"""
+
+import ctypes
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from jax import lax
+from jax.sharding import Sharding
+
+from . import _compat, _threefry
+
+
+@dataclasses.dataclass(frozen=True)
+class Tricks:
+    """Which platform-specific tricks a compiled program gets (see the module docstring)."""
+
+    fused_threefry: bool = False
+    licm_off: bool = False
+    bit_writes: bool = False
+    layer_runs: bool = False
+    trim_host_heap: bool = False
+
+    @classmethod
+    def for_platform(cls, platform: str) -> "Tricks":
+        """The tricks measured to help on `platform` (`"cpu"`, `"cuda"`, `"rocm"`, `"tpu"`...)."""
+        on_cpu = platform == "cpu"
+        return cls(
+            fused_threefry=on_cpu,
+            licm_off=on_cpu,
+            bit_writes=on_cpu,
+            layer_runs=on_cpu,
+            trim_host_heap=on_cpu and _malloc_trim() is not None,
+        )
+
+    def compiler_options(self) -> dict[str, str]:
+        """XLA compiler options for `jax.jit(..., compiler_options=...)`."""
+        if self.licm_off:
+            return {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
+        return {}
+
+
+def platform_of(shardings: tuple[Sharding | None, ...] | list[Sharding | None]) -> str:
+    """The platform a program over arrays with these shardings runs on (default: the backend's).
+
+    A GPU device reports `"gpu"`; programs for it are lowered for `"cuda"` or `"rocm"`, which
+    `lowering_platform` tells apart.
+    """
+    for sharding in shardings:
+        if sharding is not None:
+            return next(iter(sharding.device_set)).platform
+    return jax.default_backend()
+
+
+def lowering_platform(platform: str, devices: Any = None) -> str:
+    """The name `jax.stages.Traced.lower(lowering_platforms=...)` takes for `platform`."""
+    if platform != "gpu":
+        return platform
+    device = next(iter(devices)) if devices else jax.devices("gpu")[0]
+    return "rocm" if "rocm" in device.client.platform_version.lower() else "cuda"
+
+
+def lower(
+    traced: jax.stages.Traced, tricks: Tricks, lowering_platforms: tuple[str, ...] | None = None
+) -> jax.stages.Lowered:
+    """Lowers a traced program, with Threefry unrolled when `tricks.fused_threefry` says so.
+
+    Only the lowering changes: the random values are bitwise those of JAX's own lowering.
+
+    **Arguments:**
+
+    - `traced`: the result of `jax.jit(f).trace(*args)`.
+    - `tricks`: the program's tricks, from `Tricks.for_platform`.
+    - `lowering_platforms`: as for `jax.stages.Traced.lower` (to lower for a platform that has
+        no device here).
+
+    **Returns:**
+
+    The `jax.stages.Lowered` program.
+    """
+    if tricks.fused_threefry:
+        return _compat.lower_with_overrides(traced, _threefry.FUSED_RULES, lowering_platforms)
+    return traced.lower(lowering_platforms=lowering_platforms)
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+def release_freed_host_memory(tricks: Tricks) -> None:
+    """Returns memory that glibc's allocator holds but no longer uses to the operating system.
+
+    XLA:CPU's temporaries are freed after every write, but glibc keeps freed heap chunks (and
+    raises its mmap threshold after the first large free), so without this the resident size
+    creeps up by one write's temporaries every few layers. A no-op unless `tricks` says so.
+    """
+    trim = _malloc_trim() if tricks.trim_host_heap else None
+    if trim is not None:
+        trim(0)
+
+
+def barrier_on_cpu(values: Any) -> Any:
+    """`lax.optimization_barrier(values)` in programs lowered for CPU; `values` elsewhere.
+
+    Used inside traces whose platform is not known yet (a user's `jit`): the choice is made
+    when the program is lowered.
+    """
+    return lax.platform_dependent(values, cpu=lax.optimization_barrier, default=lambda x: x)

@@ -1,0 +1,344 @@
+"""The core engine: compiled writes reused by content (`_core/program.py`, `_core/writes.py`).
+
+A compiled write must be reused exactly when the traced program is the same: changed Python
+state gives new values (bitwise those of `filter_vmap`), an identical fresh function compiles
+nothing, and no cache keeps the user's function or arrays alive.
+"""
+
+import dataclasses
+import gc
+import threading
+import weakref
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jaxtyping import Array
+
+import eqx_lean
+from eqx_lean import _core
+from eqx_lean.bench._models import Block, BlockConfig
+
+
+TINY = BlockConfig(num_layers=3, dim=16, hidden=24, heads=2, kv_heads=1)
+
+
+def bitwise(a, b) -> bool:
+    leaves_a, leaves_b = jax.tree.leaves(a), jax.tree.leaves(b)
+    if jax.tree.structure(a) != jax.tree.structure(b):
+        return False
+    return all(
+        jax.typeof(x) == jax.typeof(y)
+        and np.array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8))
+        for x, y in zip(leaves_a, leaves_b, strict=True)
+    )
+
+
+def keys_of(n: int, seed: int = 0):
+    keys = jax.random.split(jax.random.key(seed), n)
+    return jax.block_until_ready(keys)
+
+
+# --- stale state: every way Python state reaches the program --------------------------------
+
+SETTINGS = {"scale": 1.0}
+GLOBAL_SCALE = 1.0
+
+
+def test_a_changed_dict_value_gives_new_values():
+    def make(key):
+        return {"w": jax.random.normal(key, (8, 8)) * SETTINGS["scale"]}
+
+    keys = keys_of(3)
+    try:
+        first = eqx_lean.build_stacked(make, keys)
+        SETTINGS["scale"] = 3.0
+        second = eqx_lean.build_stacked(make, keys)
+    finally:
+        SETTINGS["scale"] = 1.0
+    assert not bitwise(first, second)
+    SETTINGS["scale"] = 3.0
+    try:
+        assert bitwise(second, eqx.filter_jit(eqx.filter_vmap(make))(keys))
+    finally:
+        SETTINGS["scale"] = 1.0
+
+
+def test_a_changed_module_global_gives_new_values():
+    global GLOBAL_SCALE
+
+    def make(key):
+        return jax.random.normal(key, (8, 8)) * GLOBAL_SCALE
+
+    keys = keys_of(3)
+    first = eqx_lean.build_stacked(make, keys)
+    GLOBAL_SCALE = 0.5
+    try:
+        second = eqx_lean.build_stacked(make, keys)
+        assert bitwise(second, eqx.filter_jit(eqx.filter_vmap(make))(keys))
+    finally:
+        GLOBAL_SCALE = 1.0
+    assert not bitwise(first, second)
+
+
+@dataclasses.dataclass(frozen=True)
+class Factory:
+    """Equal by `width` alone: `scale` does not take part in `==` or `hash`."""
+
+    width: int
+    scale: float = dataclasses.field(compare=False, default=1.0)
+
+    def __call__(self, key):
+        return eqx.nn.Linear(self.width, self.width, key=key, dtype=jnp.float32), self.scale
+
+
+def test_a_field_excluded_from_equality_still_gives_new_values():
+    def make_scaled(factory):
+        def make(key):
+            linear, scale = factory(key)
+            return eqx.tree_at(lambda m: m.weight, linear, linear.weight * scale)
+
+        return make
+
+    keys = keys_of(3)
+    one, two = Factory(8, 1.0), Factory(8, 2.0)
+    assert one == two and hash(one) == hash(two)
+    first = eqx_lean.build_stacked(make_scaled(one), keys)
+    second = eqx_lean.build_stacked(make_scaled(two), keys)
+    np.testing.assert_array_equal(second.weight, 2 * first.weight)
+    expected = eqx.filter_jit(eqx.filter_vmap(make_scaled(two)))(keys)
+    assert bitwise(second, expected)
+
+
+def test_a_captured_numpy_array_updated_in_place_gives_new_values():
+    offset = np.zeros((8, 8), np.float32)
+
+    def make(key):
+        return jax.random.normal(key, (8, 8)) + jnp.asarray(offset)
+
+    keys = keys_of(3)
+    first = eqx_lean.build_stacked(make, keys)
+    offset += 1.0
+    second = eqx_lean.build_stacked(make, keys)
+    assert bitwise(second, eqx.filter_jit(eqx.filter_vmap(make))(keys))
+    assert not bitwise(first, second)
+
+
+def test_a_large_captured_array_is_an_argument_and_updated_in_place_gives_new_values():
+    # Larger than `EMBED_MAX_BYTES`: passed to the compiled writes, never embedded.
+    side = 1024
+    assert side * side * 4 > _core.program.EMBED_MAX_BYTES
+    offset = np.zeros((side, side), np.float32)
+
+    def make(key):
+        return jax.random.uniform(key, (side, side)) + jnp.asarray(offset)
+
+    keys = keys_of(2)
+    first = eqx_lean.build_stacked(make, keys)
+    offset += 4.0
+    second = eqx_lean.build_stacked(make, keys)
+    np.testing.assert_allclose(second, first + 4.0, rtol=1e-6)
+    plan = _core.plan_build(make, keys)
+    assert plan.program.embedded == (False,)
+
+
+# --- reuse by content -------------------------------------------------------------------------
+
+
+def test_a_fresh_function_of_the_same_content_compiles_nothing(compiles):
+    keys = keys_of(TINY.num_layers)
+    first = eqx_lean.build_stacked(lambda k: Block(TINY, key=k), keys, jnp.bfloat16)
+    before = compiles.count
+    second = eqx_lean.build_stacked(lambda k: Block(TINY, key=k), keys, jnp.bfloat16)
+    assert compiles.count == before
+    assert bitwise(first, second)
+
+
+def test_a_different_dtype_or_sharding_compiles_again(compiles):
+    keys = keys_of(TINY.num_layers)
+    eqx_lean.build_stacked(lambda k: Block(TINY, key=k), keys, jnp.bfloat16)
+    before = compiles.count
+    eqx_lean.build_stacked(lambda k: Block(TINY, key=k), keys, jnp.float16)
+    assert compiles.count > before
+
+
+@pytest.mark.parametrize("partitionable", [False, True])
+def test_settings_that_change_values_are_part_of_the_key(partitionable):
+    # `jax_threefry_partitionable` is read when the program is lowered, not when it is traced.
+    def make(key):
+        return jax.random.normal(key, (4, 300))
+
+    keys = keys_of(2)
+    with jax.threefry_partitionable(not partitionable):
+        eqx_lean.build_stacked(make, keys)
+    with jax.threefry_partitionable(partitionable):
+        built = eqx_lean.build_stacked(make, keys)
+        expected = eqx.filter_jit(eqx.filter_vmap(make))(keys)
+    assert bitwise(built, expected)
+
+
+def _make_with_captured_array(side: int):
+    offset = jnp.ones((side, side))
+
+    def make(key):
+        return jax.random.normal(key, (side, side)) + offset
+
+    return make, weakref.ref(offset)
+
+
+@pytest.mark.parametrize("side", [64, 1024], ids=["embedded", "argument"])
+def test_no_cache_keeps_a_closed_over_array_alive(side):
+    make, alive = _make_with_captured_array(side)
+    jax.block_until_ready(eqx_lean.build_stacked(make, keys_of(2)))
+    assert alive() is not None
+    del make
+    gc.collect()
+    assert alive() is None
+
+
+def test_no_cache_keeps_the_function_alive():
+    class Maker:
+        def __call__(self, key):
+            return jax.random.normal(key, (4, 4))
+
+    maker = Maker()
+    alive = weakref.ref(maker)
+    jax.block_until_ready(eqx_lean.build_stacked(maker, keys_of(2)))
+    del maker
+    gc.collect()
+    assert alive() is None
+
+
+def test_clear_caches_forgets_the_writes(compiles):
+    keys = keys_of(TINY.num_layers)
+    eqx_lean.build_stacked(lambda k: Block(TINY, key=k), keys)
+    assert len(_core.WRITES) > 0
+    eqx_lean.clear_caches()
+    assert len(_core.WRITES) == 0
+    before = compiles.count
+    eqx_lean.build_stacked(lambda k: Block(TINY, key=k), keys)
+    assert compiles.count > before
+
+
+def test_the_cache_is_bounded_least_recently_used_first():
+    cache = _core.writes.WriteCache(max_entries=2)
+    cache.put("a", 1)
+    cache.put("b", 2)
+    assert cache.get("a") == 1  # "b" is now the least recently used
+    cache.put("c", 3)
+    assert cache.get("b") is None and cache.get("a") == 1 and cache.get("c") == 3
+    assert len(cache) == 2
+
+
+def test_concurrent_builds_agree():
+    keys = keys_of(TINY.num_layers)
+    results: list = [None] * 4
+    errors: list = []
+
+    def build(i):
+        try:
+            results[i] = eqx_lean.build_stacked(lambda k: Block(TINY, key=k), keys, jnp.bfloat16)
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    eqx_lean.clear_caches()
+    threads = [threading.Thread(target=build, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    for other in results[1:]:
+        assert bitwise(results[0], other)
+
+
+# --- the program's key --------------------------------------------------------------------------
+
+
+def trace(make, shape=()):
+    return _core.trace_layer(make, jax.ShapeDtypeStruct(shape, jax.random.key(0).dtype))
+
+
+def test_equal_programs_have_equal_keys_and_others_do_not():
+    def scaled(scale):
+        return lambda key: jax.random.normal(key, (4,)) * scale
+
+    assert trace(scaled(2.0)).key == trace(scaled(2.0)).key
+    assert trace(scaled(2.0)).key != trace(scaled(3.0)).key
+    # 0.0 == -0.0 in Python, but they are different programs.
+    assert trace(scaled(0.0)).key != trace(scaled(-0.0)).key
+    # nan != nan in Python, but the same program.
+    assert trace(scaled(float("nan"))).key == trace(scaled(float("nan"))).key
+
+
+def test_functions_in_parameters_are_compared_by_identity():
+    def one(x):
+        return x
+
+    def same_code(x):
+        return x
+
+    value_key = _core.program._value_key
+    assert value_key(one) == value_key(one)
+    assert value_key(one) != value_key(same_code)
+    # Value types are compared by value, whichever object holds them.
+    assert value_key(jax.sharding.Mesh(np.array(jax.devices()[:1]), ("a",))) == value_key(
+        jax.sharding.Mesh(np.array(jax.devices()[:1]), ("a",))
+    )
+
+
+def test_a_host_callback_in_make_layer_gives_its_current_values():
+    def with_rule(rule):
+        def make(key):
+            x = jax.random.normal(key, (4,))
+            return jax.pure_callback(rule, jax.ShapeDtypeStruct((4,), jnp.float32), x)
+
+        return make
+
+    def one(x):
+        return np.asarray(x)
+
+    def two(x):
+        return np.asarray(x) * 2
+
+    keys = keys_of(2)
+    first = eqx_lean.build_stacked(with_rule(one), keys)
+    second = eqx_lean.build_stacked(with_rule(two), keys)
+    np.testing.assert_array_equal(second, 2 * first)
+
+
+# --- messages ---------------------------------------------------------------------------------
+
+
+class Numbered(eqx.Module):
+    weight: Array
+
+    def __init__(self, size: int, *, key):
+        self.weight = jax.random.normal(key, (size,))
+
+
+def test_a_class_as_make_layer_gets_advice():
+    with pytest.raises(TypeError, match=r"lambda key: Numbered\(config, key=key\)"):
+        eqx_lean.build_stacked(Numbered, keys_of(2))  # pyright: ignore[reportArgumentType]
+
+
+def test_an_error_raised_by_make_layer_reaches_the_user_unchanged():
+    class Broken(Exception):
+        pass
+
+    def make(key):
+        raise Broken("my own bug")
+
+    with pytest.raises(Broken, match="my own bug"):
+        eqx_lean.build_stacked(make, keys_of(2))
+
+
+def test_a_value_error_from_make_layer_is_not_turned_into_a_tracing_error():
+    def make(key):
+        return eqx.nn.Linear(-1, 2, key=key)
+
+    with pytest.raises(ValueError) as info:
+        eqx_lean.build_stacked(make, keys_of(2))
+    assert "must be traceable" not in str(info.value)

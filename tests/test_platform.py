@@ -1,0 +1,90 @@
+"""Platform tricks (`_platform.py`): applied only to programs for the platform measured on.
+
+JAX 0.10.2 lowers for `cuda` and `tpu` without a device (`lowering_platforms=`), so the lowered
+programs are inspected directly; compiler options do not show in lowered text, so the decision
+itself is tested for them.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import eqx_lean
+from eqx_lean import _core, _platform
+
+
+def make_draws(key):
+    k = jax.random.split(key, 3)
+    return {"w": jax.random.normal(k[1], (512, 300)), "u": jax.random.uniform(k[2], (300, 256))}
+
+
+KEYS = jax.random.split(jax.random.key(0), 4)
+
+
+def lowered_texts(platform: str, tricks: _platform.Tricks) -> list[str]:
+    plan = _core.plan_build(make_draws, KEYS, jnp.bfloat16)
+    lowered = _core.lower_writes(plan, tricks=tricks, lowering_platforms=(platform,))
+    return [x.as_text() for x in lowered]
+
+
+@pytest.mark.parametrize("platform", ["cpu", "gpu", "cuda", "rocm", "tpu"])
+def test_the_decisions(platform):
+    tricks = _platform.Tricks.for_platform(platform)
+    on_cpu = platform == "cpu"
+    assert tricks.fused_threefry == tricks.licm_off == tricks.bit_writes == on_cpu
+    assert tricks.layer_runs == on_cpu
+    assert tricks.trim_host_heap == (on_cpu and _platform._malloc_trim() is not None)
+    expected = {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"} if on_cpu else {}
+    assert tricks.compiler_options() == expected
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_writes_for_accelerators_keep_jax_s_own_lowering(platform):
+    # JAX lowers Threefry unrolled there; the override would add loops for key arithmetic, and
+    # one layer is written per call, without a loop.
+    for text in lowered_texts(platform, _platform.Tricks.for_platform(platform)):
+        assert "stablehlo.while" not in text
+        assert "xui16>" not in text  # no bit writes
+    overridden = lowered_texts(platform, _platform.Tricks.for_platform("cpu"))
+    assert all("stablehlo.while" in text for text in overridden)
+
+
+def test_writes_for_cpu_are_fused_and_move_bits():
+    cpu = _platform.Tricks.for_platform("cpu")
+    fused = lowered_texts("cpu", cpu)
+    jax_lowering = lowered_texts("cpu", dataclasses.replace(cpu, fused_threefry=False))
+    # JAX's CPU lowering is a rolled loop per draw; fused, only key arithmetic keeps its loop.
+    assert sum(t.count("stablehlo.while") for t in fused) < sum(
+        t.count("stablehlo.while") for t in jax_lowering
+    )
+    assert all("xui16>" in text for text in fused)
+
+
+def test_scan_barrier_is_lowered_for_cpu_only():
+    stacked = {"w": jnp.ones((3, 8, 8), jnp.bfloat16)}
+    x = jnp.ones(8, jnp.float32)
+
+    def forward(stacked, x):
+        return eqx_lean.fold(stacked, x, call=lambda layer, x: layer["w"].astype(x.dtype) @ x)
+
+    traced = jax.jit(forward).trace(stacked, x)
+    assert "optimization_barrier" in traced.lower(lowering_platforms=("cpu",)).as_text()
+    assert "optimization_barrier" not in traced.lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_malloc_trim_runs_only_when_the_tricks_say(monkeypatch):
+    calls = []
+    monkeypatch.setattr(_platform, "_malloc_trim", lambda: calls.append)
+    _platform.release_freed_host_memory(_platform.Tricks(trim_host_heap=False))
+    assert calls == []
+    _platform.release_freed_host_memory(_platform.Tricks(trim_host_heap=True))
+    assert calls == [0]
+
+
+def test_off_cpu_each_call_writes_one_layer(monkeypatch):
+    plan = _core.plan_build(make_draws, KEYS, jnp.bfloat16)
+    assert _core.layers_per_call(plan) == 4
+    monkeypatch.setattr(_platform, "platform_of", lambda shardings: "gpu")
+    assert _core.layers_per_call(plan) == 1
