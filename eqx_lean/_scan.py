@@ -14,9 +14,10 @@ from jax import lax
 from jax.custom_derivatives import SymbolicZero
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
-from . import _platform
+from . import _compat, _platform
 from ._core import num_layers_of_stack
 from ._gather import Gather, gather_targets, gathered_step, tie_gradient_shardings
+from ._scan_grad import SAVE_ALL, differentiated_by_index
 
 
 Carry = TypeVar("Carry")
@@ -28,22 +29,26 @@ _Policy: TypeAlias = Callable[..., bool]
 class NestedRemat(eqx.Module):
     """Nested (√L) gradient checkpointing for [`eqx_lean.scan`][] and [`eqx_lean.fold`][].
 
-    The `L` layers are split into groups of `group_size` consecutive layers: an outer scan runs
-    over the groups and checkpoints each group (saving only the carry that enters it), and an
-    inner scan runs over the layers of a group, checkpointing each layer with `policy`. The
-    backward pass therefore holds about `L / group_size + group_size` carries, the activations
-    of one layer and the parameter gradients of one group, at the price of about two extra
-    forward passes (one to recompute a group's carries, one to recompute a layer's
-    activations); with `policy=jax.checkpoint_policies.everything_saveable` it is one extra
-    forward pass, holding a whole group's activations instead. With `group_size ≈ √L` this is
-    like Flax's `nn.remat_scan`: it saves less than `remat=True` (which holds `L` carries) when
-    a carry (the activations passed between layers) is larger than about one layer's
-    parameters divided by `√L - 2`, as it is for long sequences or large batches.
+    The `L` layers are split into groups of `group_size` consecutive layers. The forward pass
+    keeps only the carry entering each group. The backward pass takes the groups from the last
+    to the first: it runs a group forward again from its carry, keeping the carry entering each
+    of its layers (and what `policy` saves of each layer), then differentiates the group layer
+    by layer, recomputing each layer's activations. It therefore holds about
+    `L / group_size + group_size` carries and the activations of one layer, at the price of
+    about two extra forward passes (one to recompute a group's carries, one to recompute a
+    layer's activations); with `policy=jax.checkpoint_policies.everything_saveable` it is one
+    extra forward pass, holding a whole group's activations instead. Gradients are written in
+    place into the stack's gradient, as with every `remat`. With `group_size ≈ √L` this is like
+    Flax's `nn.remat_scan`: about `2√L` carries instead of the `L` of `remat=True`, for one
+    more forward pass; it pays off where the carries (the activations passed between layers)
+    weigh, as with long sequences or large batches.
 
     When `group_size` does not divide `L`, the last `L mod group_size` layers form one shorter
-    group. The stacked arrays are then split in two by slicing, which inside `jax.jit` costs a
-    copy of the stacked parameters; pick a `group_size` that divides `L` to avoid it (the default
-    does so whenever `L` has a divisor within a factor of two of `√L`).
+    group; groups are ranges of layer indices, so this costs nothing more. (On the public
+    fallback taken on other JAX versions, a scan of scans, the stacked arrays are then split
+    in two by slicing, which inside `jax.jit` costs a copy of the stacked parameters; the
+    default `group_size` divides `L` whenever `L` has a divisor within a factor of two of
+    `√L`.)
 
     **Arguments:**
 
@@ -385,8 +390,23 @@ def _scan(
         step = functools.partial(step_with, consts)
         return _scan_by_index(step, dynamic, carry, xs, num_layers, unroll)
 
-    # Differentiating the index-sliced loop would accumulate the stack's cotangent as a
-    # loop-carried, stack-sized sum; the scan over `xs` stacks per-layer cotangents instead.
+    if _compat.has_custom_transpose():
+        if isinstance(remat, NestedRemat):
+            group_size = min(remat.group_size or _default_group_size(num_layers), num_layers)
+            policy = remat.policy or jax.checkpoint_policies.nothing_saveable
+        else:
+            group_size = None
+            policy = {None: SAVE_ALL, True: jax.checkpoint_policies.nothing_saveable}.get(
+                remat,
+                remat,  # pyright: ignore[reportArgumentType, reportCallIssue]
+            )
+        return differentiated_by_index(
+            step_with, primal, (consts, dynamic, carry, xs), num_layers, policy, group_size, unroll
+        )
+
+    # The public fallback: JAX differentiates a scan over the stack as `xs`, whose backward pass
+    # stacks the per-layer cotangents (its transpose of the index-reading loop would carry a
+    # stack-sized sum of them from layer to layer).
     return _differentiated_as(primal, differentiable, (consts, dynamic, carry, xs))
 
 
@@ -421,11 +441,23 @@ def scan(
     get the updated stacked state back as `ys`:
     `x, state = eqx_lean.scan(blocks, x, state, call=lambda layer, x, s: layer(x, s))`.
 
-    **Memory.** Run forward only (inference, decoding), the loop slices layer `i` out of the
-    stack by its index, so whatever XLA does to a layer's weights (on CPU, computing in
-    float32 on bfloat16 weights) happens to one layer at a time, never to the whole stack.
-    Differentiated, it is a `jax.lax.scan` over the stack, whose backward pass stacks the
-    per-layer cotangents; the two give the same values.
+    **Memory.** The forward and the backward pass both read layer `i` out of the stack by its
+    index, so whatever XLA does to a layer's weights (on CPU, computing in float32 on bfloat16
+    weights) happens to one layer at a time, never to the whole stack. The backward pass is
+    written by hand: it walks the layers from the last to the first, calls the VJP of `call`
+    on layer `i`, and writes that layer's gradient into row `i` of a buffer with the stack's
+    own dtype and sharding (a bfloat16 leaf gets a bfloat16 gradient). A leaf that is not
+    differentiated gets no buffer at all, so a frozen base costs nothing: take gradients with
+    respect to the trainable part only,
+
+    ```python
+    trainable, frozen = eqx.partition(blocks, is_adapter)  # e.g. LoRA adapters only
+    grads = jax.grad(lambda t: loss(eqx.combine(t, frozen), x))(trainable)
+    ```
+
+    What the forward pass keeps for the backward is set by `remat` (below). Forward-mode
+    derivatives (`jax.jvp`, `jax.jacfwd`) differentiate the forward loop directly. The values
+    are those of a Python loop over [`eqx_lean.unstack`][] whatever the choices.
 
     **Random keys.** Pass one key per layer in `xs`, e.g.
     `xs=(cache, jax.random.split(key, L))`, or use [`eqx_lean.fold`][]'s `key=`.
@@ -457,12 +489,17 @@ def scan(
     - `call`: `call(layer, carry, x_i) -> (carry, y_i)`, where `layer` is one layer (the
         stacked module with every array indexed at `i`). The new carry must have the same
         structure, shapes and dtypes as the old one.
-    - `remat`: gradient checkpointing. `None` saves every layer's activations for the backward
-        pass; `True` checkpoints each layer (saving only the carry between layers, recomputing
-        one layer at a time); a `jax.checkpoint_policies` policy checkpoints each layer with that
-        policy; `"nested"` or an [`eqx_lean.NestedRemat`][] uses a scan of scans, saving about
-        `2√L` carries (see there for when that beats `True`). The values are the same whatever
-        the choice.
+    - `remat`: gradient checkpointing, what the forward pass keeps for the backward pass, on
+        the layer axis. `None` keeps, for every layer, the carry entering it and every residual
+        of its linearisation that depends on the activations (the carry and `x_i`): no
+        recomputation, the most memory. Values computed from the layer's weights and constants
+        alone (a bfloat16 weight cast to float32, a transpose) are recomputed in the backward
+        pass instead, so that no copy of the stack is kept. `True` keeps only the carries and
+        recomputes one layer at a time (about one more forward pass). A
+        `jax.checkpoint_policies` policy keeps the carries and what the policy saves of each
+        layer. `"nested"` or an [`eqx_lean.NestedRemat`][] keeps the carries entering about
+        `√L` groups of layers and recomputes one group at a time, holding about `2√L` carries
+        (see there for when that beats `True`). The values are the same whatever the choice.
     - `unroll`: how many layers each iteration of the underlying loop runs, as for
         `jax.lax.scan` (`True` unrolls all of them). With nested remat it applies to the inner
         scan over the layers of a group.
