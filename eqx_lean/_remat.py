@@ -1,0 +1,157 @@
+"""Gradient checkpointing of stacked layers: the `remat=` option of `fold` and `scan`."""
+
+import math
+from collections.abc import Callable
+from typing import Any, Literal, TypeAlias
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jaxtyping import Array
+
+
+_Policy: TypeAlias = Callable[..., bool]
+
+
+class NestedRemat(eqx.Module):
+    """Nested (√L) gradient checkpointing for [`eqx_lean.scan`][] and [`eqx_lean.fold`][].
+
+    The `L` layers are split into groups of `group_size` consecutive layers. The forward pass
+    keeps only the carry entering each group. The backward pass takes the groups from the last
+    to the first: it runs a group forward again from its carry, keeping the carry entering each
+    of its layers (and what `policy` saves of each layer), then differentiates the group layer
+    by layer, recomputing each layer's activations. It therefore holds about
+    `L / group_size + group_size` carries and the activations of one layer, at the price of
+    about two extra forward passes (one to recompute a group's carries, one to recompute a
+    layer's activations); with `policy=jax.checkpoint_policies.everything_saveable` it is one
+    extra forward pass, holding a whole group's activations instead. Gradients are written in
+    place into the stack's gradient, as with every `remat`. With `group_size ≈ √L` this is like
+    Flax's `nn.remat_scan`: about `2√L` carries instead of the `L` of `remat=True`, for one
+    more forward pass; it pays off where the carries (the activations passed between layers)
+    weigh, as with long sequences or large batches.
+
+    When `group_size` does not divide `L`, the last `L mod group_size` layers form one shorter
+    group; groups are ranges of layer indices, so this costs nothing more. (On the public
+    fallback taken on other JAX versions, a scan of scans, the stacked arrays are then split
+    in two by slicing, which inside `jax.jit` costs a copy of the stacked parameters; the
+    default `group_size` divides `L` whenever `L` has a divisor within a factor of two of
+    `√L`.)
+
+    **Arguments:**
+
+    - `group_size`: layers per group; `None` picks the divisor of `L` closest to `√L` when one
+        lies in `[√L / 2, 2√L]`, and `round(√L)` (with a shorter last group) otherwise.
+    - `policy`: the checkpoint policy of each layer inside a group (an entry of
+        `jax.checkpoint_policies`); `None` saves nothing, recomputing the whole layer.
+    """
+
+    group_size: int | None = eqx.field(static=True, default=None)
+    policy: _Policy | None = eqx.field(static=True, default=None)
+
+    def __check_init__(self):
+        if self.group_size is not None and (
+            not isinstance(self.group_size, int | np.integer) or self.group_size < 1
+        ):
+            raise ValueError(
+                f"`group_size` must be a positive integer or None; got {self.group_size!r}."
+            )
+        if self.policy is not None and not callable(self.policy):
+            raise TypeError(
+                "`policy` must be None or a checkpoint policy such as "
+                f"`jax.checkpoint_policies.dots_saveable`; got {self.policy!r}."
+            )
+
+
+Remat: TypeAlias = bool | _Policy | NestedRemat | Literal["nested"] | None
+
+
+def check_remat(remat: Any) -> None:
+    if remat is None or isinstance(remat, bool | NestedRemat) or remat == "nested":
+        return
+    if callable(remat):
+        return
+    raise ValueError(
+        "`remat` must be None, True, a `jax.checkpoint_policies` policy, 'nested' or an "
+        f"`eqx_lean.NestedRemat(...)`; got {remat!r}."
+    )
+
+
+def default_group_size(num_layers: int) -> int:
+    root = math.sqrt(num_layers)
+    divisors = [d for d in range(1, num_layers + 1) if num_layers % d == 0]
+    near = [d for d in divisors if root / 2 <= d <= 2 * root]
+    if near:
+        return min(near, key=lambda d: (abs(d - root), d))
+    return max(1, round(root))
+
+
+def checkpointed(
+    step: Callable[[Any, Any, Any], tuple[Any, Any]], policy: _Policy | None
+) -> Callable[[Any, Any, Any], tuple[Any, Any]]:
+    # Inside a scan body there is nothing for CSE to merge across iterations, so the
+    # optimisation barrier that prevent_cse adds would only cost performance.
+    return jax.checkpoint(step, prevent_cse=False, policy=policy)
+
+
+def scan_layers(
+    step: Callable[[Any, Any, Any], tuple[Any, Any]],
+    dynamic: Any,
+    carry: Any,
+    xs: Any,
+    unroll: int | bool,
+) -> tuple[Any, Any]:
+    def body(carry: Any, sliced: tuple[Any, Any]) -> tuple[Any, Any]:
+        layer, x = sliced
+        return step(layer, carry, x)
+
+    return lax.scan(body, carry, (dynamic, xs), unroll=unroll)
+
+
+def split_groups(tree: Any, num_groups: int, group_size: int) -> tuple[Any, Any]:
+    """Splits the leading axis of every leaf into `(num_groups, group_size)` plus a remainder."""
+    main_len = num_groups * group_size
+
+    def main(x: Array) -> Array:
+        x = x if x.shape[0] == main_len else x[:main_len]
+        return x.reshape(num_groups, group_size, *x.shape[1:])
+
+    return jax.tree.map(main, tree), jax.tree.map(lambda x: x[main_len:], tree)
+
+
+def merge_groups(main: Any, rest: Any, has_rest: bool) -> Any:
+    def merge(m: Array, r: Array | None) -> Array:
+        m = m.reshape(-1, *m.shape[2:])
+        return m if r is None else jnp.concatenate([m, r])
+
+    if not has_rest:
+        return jax.tree.map(lambda m: merge(m, None), main)
+    return jax.tree.map(merge, main, rest)
+
+
+def nested_scan(
+    step: Callable[[Any, Any, Any], tuple[Any, Any]],
+    dynamic: Any,
+    carry: Any,
+    xs: Any,
+    num_layers: int,
+    remat: NestedRemat,
+    unroll: int | bool,
+) -> tuple[Any, Any]:
+    group_size = remat.group_size or default_group_size(num_layers)
+    group_size = min(group_size, num_layers)
+    num_groups, rest = divmod(num_layers, group_size)
+    inner = checkpointed(step, remat.policy)
+
+    def group(layers: Any, carry: Any, group_xs: Any) -> tuple[Any, Any]:
+        return scan_layers(inner, layers, carry, group_xs, unroll)
+
+    outer = checkpointed(group, jax.checkpoint_policies.nothing_saveable)
+    main_layers, rest_layers = split_groups(dynamic, num_groups, group_size)
+    main_xs, rest_xs = split_groups(xs, num_groups, group_size)
+    carry, main_ys = scan_layers(outer, main_layers, carry, main_xs, unroll=1)
+    rest_ys = None
+    if rest:
+        carry, rest_ys = outer(rest_layers, carry, rest_xs)
+    return carry, merge_groups(main_ys, rest_ys, has_rest=bool(rest))
