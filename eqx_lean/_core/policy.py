@@ -14,7 +14,64 @@ from jaxtyping import PyTree
 DtypeLike: TypeAlias = Any
 KeyPath: TypeAlias = tuple[Any, ...]
 DtypeRule: TypeAlias = Callable[[KeyPath, jax.ShapeDtypeStruct], DtypeLike | None]
-DtypePolicy: TypeAlias = DtypeLike | DtypeRule | None
+
+
+class TreeDtypeRule:
+    """A dtype rule that needs the whole tree, not one leaf, to choose (such as "the leaves of
+    every LayerNorm"): `bind` resolves it against the tree a function was given, returning a
+    plain rule `(path, leaf) -> dtype | None`. The ready-made rules of `eqx_lean.dtypes`."""
+
+    def bind(
+        self, tree: Any, paths: Sequence[KeyPath], structs: Sequence[jax.ShapeDtypeStruct]
+    ) -> DtypeRule:
+        """The plain rule for the array leaves `paths` of `tree`; `structs` are the leaves as
+        rules see them (one layer's shape for a stacked leaf)."""
+        raise NotImplementedError
+
+
+DtypePolicy: TypeAlias = DtypeLike | DtypeRule | TreeDtypeRule | None
+
+PATHS_DOC = "'Paths in rules and name functions' in docs/getting-started.md"
+PATH_CONVENTION = (
+    "Rules and name functions get each leaf's key path relative to the tree they are given: "
+    "one layer in build_stacked, allocate_stacked, stack, memory.estimate and memory.describe "
+    "(what `make_layer` returns), the stacked module in load_stacked, save_stacked, fold and "
+    "scan (the same paths as one layer's), the whole model `like` or `tree` in load_tensors and "
+    f"save_tensors; see {PATHS_DOC}."
+)
+
+
+class _RuleKeyError(KeyError):
+    # A KeyError prints its argument's repr; this one prints the sentence as it is.
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+def rule_error(error: BaseException, message: str) -> Exception:
+    """An exception of `error`'s kind carrying `message`, to raise `from error`.
+
+    A user's rule raising a `KeyError` (a name map without the path it was given) says nothing
+    about which leaf, argument or path convention was involved; `message` does. Builtin
+    exception types are kept, so that callers catching them still do; others become a
+    `ValueError`.
+    """
+    if isinstance(error, KeyError):
+        return _RuleKeyError(message)
+    kind = type(error)
+    if kind.__module__ == "builtins" and isinstance(error, Exception):
+        try:
+            return kind(message)
+        except Exception:
+            pass
+    return ValueError(message)
+
+
+def describe_raised(error: BaseException) -> str:
+    """`KeyError: '.ln_1.weight'`: what a user's rule raised, as Python prints it."""
+    text = str(error)
+    if isinstance(error, KeyError) and not isinstance(error, _RuleKeyError) and error.args:
+        text = repr(error.args[0])
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
 def is_floating(dtype: Any) -> bool:
@@ -38,7 +95,7 @@ def _as_floating_dtype(value: Any, what: str) -> np.dtype:
 
 def check_dtype_policy(dtype: DtypePolicy) -> DtypePolicy:
     """Validates a `dtype` argument eagerly, so a bad one fails before anything is built."""
-    if dtype is None or _is_rule(dtype):
+    if dtype is None or isinstance(dtype, TreeDtypeRule) or _is_rule(dtype):
         return dtype
     return _as_floating_dtype(dtype, "`dtype`")
 
@@ -62,8 +119,21 @@ def leaf_dtype(dtype: DtypePolicy, path: KeyPath, leaf: jax.ShapeDtypeStruct) ->
     weak = bool(getattr(leaf, "weak_type", False))
     if dtype is None or not is_floating(leaf.dtype):
         return jnp.dtype(leaf.dtype), weak
+    if isinstance(dtype, TreeDtypeRule):
+        raise TypeError(
+            f"{type(dtype).__name__} must be bound to its tree first (`resolve_dtypes`)."
+        )
     if _is_rule(dtype):
-        chosen = dtype(path, leaf)
+        try:
+            chosen = dtype(path, leaf)
+        except Exception as e:
+            raise rule_error(
+                e,
+                f"The `dtype` rule raised {describe_raised(e)} for leaf "
+                f"{jax.tree_util.keystr(path)} ({leaf.dtype}{list(leaf.shape)}). "
+                f"{PATH_CONVENTION} A dtype rule sees one layer's ShapeDtypeStruct for a "
+                "stacked leaf.",
+            ) from e
         if chosen is None:
             return leaf.dtype, weak
         where = f"the `dtype` rule's result for leaf {jax.tree_util.keystr(path)}"
@@ -104,7 +174,10 @@ def _per_leaf(
         return [sharding] * len(structs)
     if is_sharding_rule(sharding):
         rule = cast(ShardingRule, sharding)
-        return [rule(path, struct) for path, struct in zip(paths, structs, strict=True)]
+        return [
+            _call_sharding_rule(rule, path, struct, argument)
+            for path, struct in zip(paths, structs, strict=True)
+        ]
     layer_of_structs = jax.tree.unflatten(treedef, structs)
     chosen: list[Any] = []
 
@@ -121,6 +194,21 @@ def _per_leaf(
             f"Shardings, PartitionSpecs or None; it does not match the layer: {e}"
         ) from e
     return chosen
+
+
+def _call_sharding_rule(
+    rule: ShardingRule, path: KeyPath, struct: jax.ShapeDtypeStruct, argument: str
+) -> Any:
+    try:
+        return rule(path, struct)
+    except Exception as e:
+        raise rule_error(
+            e,
+            f"The `{argument}` rule raised {describe_raised(e)} for leaf "
+            f"{jax.tree_util.keystr(path)} ({struct.dtype}{list(struct.shape)}). "
+            f"{PATH_CONVENTION} A `{argument}` rule sees one layer's ShapeDtypeStruct for a "
+            "stacked leaf.",
+        ) from e
 
 
 def axis_names(entry: Any) -> tuple[str, ...]:

@@ -26,8 +26,8 @@ from .._core import (
     current_mesh,
     delete_arrays,
     is_floating,
-    leaf_dtype,
     per_layer_sharding,
+    resolve_dtypes,
     resolve_shardings,
     stacked_shardings,
     write_layer,
@@ -111,21 +111,29 @@ def _resolve_shardings(
     ]
 
 
-def _target_of(
-    path: KeyPath, leaf: jax.ShapeDtypeStruct, name: TensorName | None, dtype: DtypePolicy
-) -> jax.ShapeDtypeStruct:
-    # A dtype rule sees one layer of a stacked leaf, as in `build_stacked`.
-    per_layer = name is not None and name.stacked
-    seen = jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype) if per_layer else leaf
-    target_dtype, _ = leaf_dtype(dtype, path, seen)
-    return jax.ShapeDtypeStruct(leaf.shape, target_dtype)
+def _targets(
+    layout: Layout, tensor_names: Sequence[TensorName | None], dtype: DtypePolicy
+) -> list[jax.ShapeDtypeStruct]:
+    # A dtype rule sees one layer of a stacked leaf, as in `build_stacked`, and rules by module
+    # type are resolved against `like`.
+    seen = [
+        jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype)
+        if name is not None and name.stacked
+        else leaf
+        for leaf, name in zip(layout.structs, tensor_names, strict=True)
+    ]
+    chosen = resolve_dtypes(dtype, layout.combine(layout.structs), layout.paths, seen)
+    return [
+        jax.ShapeDtypeStruct(leaf.shape, target)
+        for leaf, (target, _) in zip(layout.structs, chosen, strict=True)
+    ]
 
 
 def _plan_leaves(
     like: Any, names: Any, dtype: DtypePolicy, sharding: Any, mesh: Any, layer_axis: Any, fn: str
 ) -> tuple[Layout, list[_LoadLeaf], int | None]:
     layout = Layout.of(like)
-    tensor_names = resolve_names(names, layout)
+    tensor_names = resolve_names(names, layout, fn)
     if fn == "load_stacked":
         require_all_stacked(layout, tensor_names, fn)
     num_layers = layer_count(layout, tensor_names)
@@ -134,9 +142,10 @@ def _plan_leaves(
         path: x
         for path, x in jax.tree_util.tree_flatten_with_path(eqx.filter(like, eqx.is_array))[0]
     }
+    targets = _targets(layout, tensor_names, dtype)
     leaves = []
-    for path, leaf, name, leaf_sharding in zip(
-        layout.paths, layout.structs, tensor_names, shardings, strict=True
+    for path, leaf, name, leaf_sharding, target in zip(
+        layout.paths, layout.structs, tensor_names, shardings, targets, strict=True
     ):
         if name is None and path not in concrete:
             raise ValueError(
@@ -146,7 +155,6 @@ def _plan_leaves(
             )
         if name is not None:
             check_transpose_rank(path, name, leaf.shape[1:] if name.stacked else leaf.shape)
-        target = _target_of(path, leaf, name, dtype)
         leaves.append(_LoadLeaf(path, target, name, concrete.get(path), leaf_sharding))
     return layout, leaves, num_layers
 
@@ -294,7 +302,8 @@ def _write_signatures(leaf: _LoadLeaf, shard: _Shard, stored: np.dtype) -> set[t
 def _host_slice(stored: np.ndarray, name: TensorName, index: tuple[slice, ...]) -> np.ndarray:
     """The part `index` (in the leaf's axis order) of a stored tensor, as a view when possible."""
     view = stored if name.transpose is None else stored.transpose(name.transpose)
-    return view[index]
+    # A layer of a stacked scalar leaf indexes to a NumPy scalar, which is not an array.
+    return np.asarray(view[index])
 
 
 def _put(value: np.ndarray, device: Any) -> Array:

@@ -48,7 +48,7 @@ def _plan_records(tree: Any, names: Any, fn: str) -> tuple[list[Any], list[_Reco
         raise TypeError(
             f"`{fn}` needs arrays to write, but the model has `jax.ShapeDtypeStruct` leaves."
         )
-    tensor_names = resolve_names(names, layout)
+    tensor_names = resolve_names(names, layout, fn)
     if fn == "save_stacked":
         require_all_stacked(layout, tensor_names, fn)
     num_layers = layer_count(layout, tensor_names)
