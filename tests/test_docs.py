@@ -315,3 +315,126 @@ def test_first_hour_pages_mark_every_block():
             assert block.language, f"{_where(block)}: a fenced block without a language"
             if block.not_run is not None:
                 assert len(block.not_run) > 3, f"{_where(block)}: `not run` needs a reason"
+
+
+def _extras() -> dict[str, list[str]]:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+
+
+def _package_names(requirements: list[str]) -> set[str]:
+    names = set()
+    for requirement in requirements:
+        name = re.match(r"[A-Za-z0-9_.-]+", requirement)
+        assert name is not None, requirement
+        names.add(name.group(0).lower())
+    return names
+
+
+def _install_hints() -> list[tuple[str, str]]:
+    """Every string constant of the library and the example that tells how to install."""
+    hints = []
+    for path in [*(ROOT / "eqx_lean").rglob("*.py"), *(ROOT / "examples").rglob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                if "pip install" in node.value:
+                    hints.append((str(path.relative_to(ROOT)), node.value))
+    return hints
+
+
+def test_install_hints_name_the_checkout_s_extras():
+    """eqx_lean is not on a package index: a hint says `pip install ".[extra]"` from the
+    checkout, with an extra that exists and holds the package the hint is about."""
+    extras = _extras()
+    hints = _install_hints()
+    assert len(hints) >= 5, hints  # tqdm, optax, tokenizers (twice), matplotlib at least
+    for where, hint in hints:
+        assert "eqx_lean[" not in hint, (where, hint)
+        named = re.findall(r'pip install "\.\[([\w,-]+)\]"', hint)
+        assert named, f"{where}: {hint!r} names no extra of the checkout"
+        assert "root of the eqx_lean checkout" in hint, (where, hint)
+        packages = set()
+        for extra in ",".join(named).split(","):
+            assert extra in extras, (where, extra)
+            packages |= _package_names(extras[extra])
+        for package in re.findall(r"`pip install ([A-Za-z][\w-]*)`", hint):
+            assert package.lower() in packages, (where, package, named)
+
+
+@pytest.mark.parametrize(
+    "code, expected",
+    [
+        (
+            "import sys; sys.modules['optax'] = None\n"
+            "from examples.mistral7b.train import adamw\nadamw()",
+            "Training needs optax: from the root of the eqx_lean checkout, "
+            '`pip install ".[train]"`',
+        ),
+        (
+            "import sys; sys.modules['tqdm'] = None; sys.modules['tqdm.auto'] = None\n"
+            "import jax, equinox as eqx, eqx_lean\n"
+            "eqx_lean.build_stacked(lambda k: eqx.nn.Linear(2, 2, key=k),"
+            " jax.random.split(jax.random.key(0), 2), progress=True)",
+            "`progress=True` needs tqdm: from the root of the eqx_lean checkout, `pip install "
+            '".[progress]"`',
+        ),
+    ],
+    ids=["optax", "tqdm"],
+)
+def test_a_missing_optional_package_names_its_extra(code: str, expected: str):
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=_page_env(1), capture_output=True, text=True
+    )
+    assert done.returncode != 0
+    assert "ImportError: " + expected in done.stderr, done.stderr[-3000:]
+
+
+def test_getting_started_lists_every_extra():
+    install = next(b for b in code_blocks("docs/getting-started.md") if b.language == "bash")
+    for extra in _extras():
+        assert f'pip install ".[{extra}]"' in install.code, extra
+
+
+def test_estimate_and_measure_are_shown_in_separate_processes_caveat_first():
+    page = "docs/getting-started.md"
+    blocks = code_blocks(page)
+    estimates = [b for b in blocks if "eqx_lean.memory.estimate(" in b.code]
+    measures = [b for b in blocks if "eqx_lean.memory.measure(" in b.code]
+    assert estimates and measures
+    for block in estimates + measures:
+        assert block.own_process, f"{_where(block)} must run in its own process"
+        assert not (
+            "eqx_lean.memory.estimate(" in block.code and "eqx_lean.memory.measure(" in block.code
+        ), f"{_where(block)} estimates and measures in one process"
+    lines = (ROOT / page).read_text().splitlines()
+    caveat = next(
+        i for i, line in enumerate(lines) if "Measure each build in a fresh process" in line
+    )
+    assert caveat + 1 < min(b.line for b in estimates + measures)
+    assert "337.8 MiB" in " ".join(lines[caveat : caveat + 8])
+
+
+def test_mistral_readme_has_a_tiny_path_and_explains_a_shallow_build_s_ratio():
+    from examples.mistral7b import MistralConfig
+    from examples.mistral7b.train import small_config
+
+    assert MistralConfig.preset("tiny") == MistralConfig.tiny() == small_config()
+    page = "examples/mistral7b/README.md"
+    text = (ROOT / page).read_text()
+    tiny = text.index("## A tiny model end to end")
+    assert tiny < text.index("## Files")  # the first thing a reader meets
+    commands = "".join(
+        b.code for b in code_blocks(page) if b.language == "bash" and b.not_run is None
+    )
+    for command in [
+        "build --preset tiny --save tiny",
+        "load --checkpoint tiny",
+        "generate --checkpoint tiny ",
+        "finetune --checkpoint tiny",
+        "merge --checkpoint tiny --adapters tiny-lora --out tiny-merged",
+        "generate --checkpoint tiny-merged",
+    ]:
+        assert f"python -m examples.mistral7b {command}" in commands, command
+    shallow = text.index("**A shallow full-width build reports a higher ratio.**")
+    explanation = text[shallow : shallow + 1800]
+    for fact in ["--layers 2", "ratio 1.920", "embedding", "1500 MiB of XLA temporaries"]:
+        assert fact in explanation, fact

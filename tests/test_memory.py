@@ -19,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import eqx_lean
 from eqx_lean import _memory
+from eqx_lean._memory.table import format_bytes
 from eqx_lean.bench._models import Block, BlockConfig
 from eqx_lean.bench._worker import cast_floating
 
@@ -343,7 +344,7 @@ def test_describe_shows_every_leaf_s_dtypes_before_building():
     assert report[".norm.weight"].stored_dtype == "float32"
     assert report[".count"].stored_dtype == report[".count"].built_dtype == "int32"
     lines = report.table().splitlines()
-    assert lines[0] == f"5 leaves of 3 layers: {_memory.table.format_bytes(_nbytes(built))}"
+    assert lines[0] == f"5 leaves of 3 layers: {format_bytes(_nbytes(built))}"
     assert lines[1].split()[:4] == ["leaf", "shape", "built", "stored"]
     assert lines[3].split() == [
         ".linear.weight",

@@ -58,11 +58,13 @@ def rule_error(error: BaseException, message: str) -> Exception:
     if isinstance(error, KeyError):
         return _RuleKeyError(message)
     kind = type(error)
-    if kind.__module__ == "builtins" and isinstance(error, Exception):
+    if kind.__module__ == "builtins":
         try:
-            return kind(message)
+            same_kind = kind(message)
         except Exception:
-            pass
+            same_kind = None
+        if isinstance(same_kind, Exception):
+            return same_kind
     return ValueError(message)
 
 

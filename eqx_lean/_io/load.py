@@ -465,11 +465,14 @@ def load_tensors(
     embedding stored in float32 never exists on the device in float32 as a whole.
 
     **Arguments:** as for [`eqx_lean.load_stacked`][]; `like` is the whole model, and `names`
-    may mix templates with `{i}` and plain names. `sharding` has its one meaning: for a leaf
-    named with `{i}` it is one layer's sharding (the layer axis is replicated, unless
-    `layer_axis` names mesh axes for it); for a plain leaf it is the whole tensor's. A rule
-    `(path, leaf)` sees one layer's `ShapeDtypeStruct` for the first and the tensor's for the
-    second.
+    may mix templates with `{i}` and plain names. Paths given to `names`, `dtype` and `sharding`
+    rules are the whole model's (such as `.blocks.mlp.weight`): a name map written for
+    `load_stacked` needs its prefix (see
+    [paths](../getting-started.md#paths-in-rules-and-name-functions)). `sharding` has its one
+    meaning: for a leaf named with `{i}` it is one layer's sharding (the layer axis is
+    replicated, unless `layer_axis` names mesh axes for it); for a plain leaf it is the whole
+    tensor's. A rule `(path, leaf)` sees one layer's `ShapeDtypeStruct` for the first and the
+    tensor's for the second.
 
     **Returns:**
 
@@ -518,12 +521,15 @@ def load_stacked(
     - `names`: the tensor name of every array leaf, for one layer: a pytree of the structure of
         `like` (built with `eqx.tree_at`, say) whose leaves are templates such as
         `"model.layers.{i}.mlp.up_proj.weight"` or [`eqx_lean.TensorName`][]s (with a
-        transpose), or a function `(path, leaf) -> name`. Every name must contain `{i}`, the
-        layer index. A leaf named `None` is not loaded: `like` must hold its array, which is
-        returned as is.
+        transpose), or a function `(path, leaf) -> name` given each leaf's key path relative to
+        `like` (one layer's paths, such as `.mlp.weight`; see
+        [paths](../getting-started.md#paths-in-rules-and-name-functions)) and the leaf as it is
+        in `like`. Every name must contain `{i}`, the layer index. A leaf named `None` is not
+        loaded: `like` must hold its array, which is returned as is.
     - `dtype`: the dtype to store each floating leaf in: `None` keeps the dtypes of `like`; a
-        floating dtype casts every floating leaf; a callable `(path, leaf) -> dtype | None`
-        chooses per leaf, given one layer's `ShapeDtypeStruct`. Tensors are cast from whatever
+        floating dtype casts every floating leaf; a rule chooses per leaf, as for
+        [`eqx_lean.build_stacked`][] (resolved against `like`; a function is given one layer's
+        `ShapeDtypeStruct`). Tensors are cast from whatever
         floating dtype the file has; integer and boolean tensors must match exactly.
     - `sharding`: how each leaf of one layer is sharded, exactly as for
         [`eqx_lean.build_stacked`][]: `None`, one `Sharding` or `PartitionSpec`, a pytree prefix

@@ -327,7 +327,8 @@ def save_tensors(
     inverse of [`eqx_lean.load_tensors`][].
 
     **Arguments:** as for [`eqx_lean.save_stacked`][]; `tree` is the whole model, and `names`
-    may mix templates with `{i}` and plain names.
+    may mix templates with `{i}` and plain names; a `names` function is given the whole model's
+    paths (see [paths](../getting-started.md#paths-in-rules-and-name-functions)).
 
     **Returns:**
 
@@ -362,8 +363,8 @@ def save_stacked(
     - `path`: the checkpoint directory, created if needed.
     - `stacked`: the stacked model, with arrays (on any devices, sharded or not) as leaves.
     - `names`: the tensor-name template of every array leaf, as for
-        [`eqx_lean.load_stacked`][]: every name must contain `{i}`; a leaf named `None` is not
-        saved.
+        [`eqx_lean.load_stacked`][] (a function is given one layer's paths): every name must
+        contain `{i}`; a leaf named `None` is not saved.
     - `max_shard_bytes`: the largest file to write, in bytes (a single tensor bigger than this
         gets a file of its own). Hugging Face's default is 5 GB.
     - `metadata`: strings to store in every file's header, added to `{"format": "pt"}` (which
