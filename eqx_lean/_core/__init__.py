@@ -5,9 +5,11 @@ scripts in `benchmarks/` may use it. It is not public API and may change between
 
 - `layout`: how a layer splits into array leaves and a static part (`Layout`), the checks of
   `keys` and of a stacked module's layer axis, the leaves' target structs and write groups.
+- `rules`: what every user rule shares: the path convention (`PATH_CONVENTION`), the error a
+  failing user rule or name function is re-raised as (`rule_error`), and `TreeDtypeRule`, the
+  base of dtype rules resolved against the whole tree.
 - `policy`: dtype policies of one leaf (`leaf_dtype`), the one sharding resolver
-  (`resolve_shardings`), validator (`check_spec`) and error format; `fsdp`; the path convention
-  of rules (`PATH_CONVENTION`) and the error a failing user rule is re-raised as (`rule_error`).
+  (`resolve_shardings`), validator (`check_spec`) and error format; `fsdp`.
 - `dtypes`: the ready-made rules of `eqx_lean.dtypes` (by module type, by rank), resolved
   against the whole tree, and the one dtype resolver (`resolve_dtypes`).
 - `program`: `make_layer` traced once (`trace_layer`), with a key by content.
