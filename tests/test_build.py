@@ -208,23 +208,6 @@ def test_arithmetic_after_draws_matches_compiled_filter_vmap():
 # --- compilation ------------------------------------------------------------------------------
 
 
-class CompileCounter:
-    def __init__(self):
-        self.count = 0
-
-    def __call__(self, event, *args, **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration":
-            self.count += 1
-
-
-@pytest.fixture
-def compiles():
-    counter = CompileCounter()
-    jax.monitoring.register_event_duration_secs_listener(counter)
-    yield counter
-    jax.monitoring.unregister_event_duration_listener(counter)
-
-
 COUNTED_BLOCK = BlockConfig(num_layers=1, dim=24, hidden=40, heads=4, kv_heads=2)
 
 

@@ -25,23 +25,6 @@ from eqx_lean.bench._models import Block, BlockConfig
 TINY = BlockConfig(num_layers=3, dim=16, hidden=24, heads=2, kv_heads=1)
 
 
-class CompileCounter:
-    def __init__(self):
-        self.count = 0
-
-    def __call__(self, event: str, duration_secs: float, **kwargs: str | int) -> None:
-        if event == "/jax/core/compile/backend_compile_duration":
-            self.count += 1
-
-
-@pytest.fixture
-def compiles():
-    counter = CompileCounter()
-    jax.monitoring.register_event_duration_secs_listener(counter)
-    yield counter
-    jax.monitoring.unregister_event_duration_listener(counter)
-
-
 def bitwise(a, b) -> bool:
     leaves_a, leaves_b = jax.tree.leaves(a), jax.tree.leaves(b)
     if jax.tree.structure(a) != jax.tree.structure(b):

@@ -430,17 +430,17 @@ def test_save_killed_midway_leaves_previous_checkpoint_loadable(tmp_path):
         import eqx_lean
         from eqx_lean import _io
 
-        write = _io.save._write_array
         count = [0]
 
-        def slow_write(f, value):
-            write(f, value)
+        def slow_write(when, op, paths):
+            if (when, op) != ("after", "write"):
+                return
             count[0] += 1
             if count[0] == 3:
                 print("writing", flush=True)
             time.sleep(0.5)
 
-        _io.save._write_array = slow_write
+        _io.fs.HOOKS.append(slow_write)
         new = {{"w": -jnp.ones((6, 4, 4), jnp.float32)}}
         eqx_lean.save_stacked({str(tmp_path / "ckpt")!r}, new, {names!r}, max_shard_bytes=64)
         print("finished", flush=True)

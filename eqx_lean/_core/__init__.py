@@ -46,6 +46,7 @@ from .policy import (
     LayerAxis as LayerAxis,
     ShardingPolicy as ShardingPolicy,
     TreeDtypeRule as TreeDtypeRule,
+    axis_names as axis_names,
     check_dtype_policy as check_dtype_policy,
     check_layer_axis as check_layer_axis,
     check_spec as check_spec,

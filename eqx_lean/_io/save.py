@@ -1,14 +1,10 @@
 """Saving: models with stacked layers to safetensors files, one tensor at a time."""
 
-import ctypes
 import json
 import math
 import os
-import shutil
 import struct
-import sys
-import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -19,9 +15,11 @@ from jax import lax
 from jaxtyping import Array
 
 from .._core import Layout, as_bits, is_floating
+from . import directory, fs
+from .directory import OtherWeights
 from .load import bounded
 from .names import check_transpose_rank, layer_count, require_all_stacked, resolve_names
-from .safetensors import ALIGN, DTYPE_CODES, INDEX_FILE, SINGLE_FILE
+from .safetensors import ALIGN, DTYPE_CODES
 
 
 class _Record(NamedTuple):
@@ -99,12 +97,6 @@ def _split_files(records: Sequence[_Record], max_shard_bytes: int) -> list[list[
     return files
 
 
-def _file_names(count: int) -> list[str]:
-    if count == 1:
-        return [SINGLE_FILE]
-    return [f"model-{k:05d}-of-{count:05d}.safetensors" for k in range(1, count + 1)]
-
-
 def _header_bytes(records: Sequence[_Record], metadata: Mapping[str, str]) -> bytes:
     header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
     offset = 0
@@ -170,86 +162,23 @@ def _host_tensor(array: Any, record: _Record) -> np.ndarray:
     return np.ascontiguousarray(value)
 
 
-def _write_array(f: Any, value: np.ndarray) -> None:
-    f.write(value.reshape(-1).view(np.uint8).data)
+def _file_chunks(records: Sequence[_Record], arrays: Sequence[Any], metadata) -> Iterator[Any]:
+    """A safetensors file as buffers: its header, then each tensor, copied to the host in turn."""
+    yield _header_bytes(records, metadata)
+    for r in records:
+        yield _host_tensor(arrays[r.leaf], r).reshape(-1).view(np.uint8)
 
 
-def _write_file(path: Path, records: Sequence[_Record], arrays: Sequence[Any], metadata) -> None:
-    with open(path, "wb") as f:
-        f.write(_header_bytes(records, metadata))
-        for r in records:
-            _write_array(f, _host_tensor(arrays[r.leaf], r))
-        f.flush()
-        os.fsync(f.fileno())
+def _index_bytes(files: Sequence[Sequence[_Record]], file_names: Sequence[str]) -> bytes:
+    weight_map = {r.name: f for f, rs in zip(file_names, files, strict=True) for r in rs}
+    index = {
+        "metadata": {"total_size": sum(r.nbytes for rs in files for r in rs)},
+        "weight_map": dict(sorted(weight_map.items())),
+    }
+    return json.dumps(index, indent=2).encode()
 
 
-def _fsync_directory(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _is_weight_file(name: str) -> bool:
-    return name.endswith(".safetensors") or name.endswith(".safetensors.index.json")
-
-
-def _link_or_copy(src: str, dst: str) -> None:
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
-
-
-def _carry_over(old: Path, new: Path) -> None:
-    """Keeps what else the old directory holds (config, tokenizer, ...) in the new one."""
-    for entry in old.iterdir():
-        if _is_weight_file(entry.name):
-            continue
-        if entry.is_dir() and not entry.is_symlink():
-            shutil.copytree(entry, new / entry.name, symlinks=True, copy_function=_link_or_copy)
-        elif entry.is_symlink():
-            os.symlink(os.readlink(entry), new / entry.name)
-        else:
-            _link_or_copy(str(entry), str(new / entry.name))
-
-
-def _exchange(a: Path, b: Path) -> bool:
-    """Swaps two directories atomically with Linux's `renameat2`; False where unsupported."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        renameat2 = libc.renameat2
-    except (OSError, AttributeError):
-        return False
-    at_fdcwd, rename_exchange = -100, 2
-    result = renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange)
-    return result == 0
-
-
-def _replace_directory(new: Path, path: Path) -> None:
-    if not path.exists():
-        os.rename(new, path)
-        _fsync_directory(path.parent)
-        return
-    if _exchange(new, path):
-        _fsync_directory(path.parent)
-        shutil.rmtree(new)  # now the old checkpoint
-        return
-    # Without an atomic exchange, the old checkpoint survives under `old` until the new one is
-    # in place.
-    old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
-    os.rename(path, old)
-    os.rename(new, path)
-    _fsync_directory(path.parent)
-    shutil.rmtree(old)
-
-
-def _check_save_arguments(path: Path, max_shard_bytes: Any, metadata: Any) -> dict[str, str]:
-    if path.exists() and not path.is_dir():
-        raise ValueError(f"`path` must be a directory (or not exist yet); {path} is a file.")
+def _check_save_arguments(max_shard_bytes: Any, metadata: Any) -> dict[str, str]:
     if not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
         raise ValueError(f"`max_shard_bytes` must be a positive integer; got {max_shard_bytes!r}.")
     merged = {"format": "pt"}  # transformers refuses safetensors files without it
@@ -262,54 +191,77 @@ def _check_save_arguments(path: Path, max_shard_bytes: Any, metadata: Any) -> di
     return merged
 
 
+def _check_arrays(tree: Any, arrays: Sequence[Any], fn: str) -> None:
+    paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(eqx.filter(tree, eqx.is_array))[0]]
+    for path, x in zip(paths, arrays, strict=True):
+        if not isinstance(x, jax.Array):
+            continue
+        if x.is_deleted():
+            raise ValueError(
+                f"`{fn}` must read every array it saves, but the array of leaf "
+                f"{jax.tree_util.keystr(path)} has been deleted (donated to a jitted function, "
+                "or deleted explicitly). Save the model returned by that function instead. "
+                "Nothing was written."
+            )
+        if not x.is_fully_addressable:
+            raise ValueError(
+                f"`{fn}` writes from one process, but leaf {jax.tree_util.keystr(path)} is "
+                "spread over several processes; save it with Orbax instead (see the Orbax "
+                "recipe)."
+            )
+
+
 def _save(
     path: str | os.PathLike,
     tree: Any,
     names: Any,
-    max_shard_bytes: int,
-    metadata: Mapping[str, str] | None,
+    options: dict[str, Any],
     fn: str,
 ) -> None:
-    path = Path(path)
-    if path.is_symlink():
-        path = path.resolve()  # replace the directory it points to, not the link
-    merged = _check_save_arguments(path, max_shard_bytes, metadata)
+    merged = _check_save_arguments(options["max_shard_bytes"], options["metadata"])
+    weights_name = directory.check_weights_name(options["weights_name"])
+    extra = directory.check_files(options["files"], weights_name)
     arrays, records = _plan_records(tree, names, fn)
-    for x in arrays:
-        if isinstance(x, jax.Array) and not x.is_fully_addressable:
-            raise ValueError(
-                f"`{fn}` writes from one process, but the model has arrays spread over several "
-                "processes; save it with Orbax instead (see the Orbax recipe)."
-            )
-    files = _split_files(records, max_shard_bytes)
-    file_names = _file_names(len(files))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    new = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
-    new.mkdir()
-    try:
+    _check_arrays(tree, arrays, fn)
+    files = _split_files(records, options["max_shard_bytes"])
+    file_names = directory.weight_file_names(weights_name, len(files))
+
+    def owns(name: str) -> bool:
+        return name in extra or directory.owns_weight_file(weights_name, name)
+
+    target = directory.plan(path, owns, options["other_weights"])
+
+    def write_owned(new: Path, modes: Mapping[str, int]) -> None:
         for file_name, file_records in zip(file_names, files, strict=True):
-            _write_file(new / file_name, _aligned_first(file_records), arrays, merged)
+            chunks = _file_chunks(_aligned_first(file_records), arrays, merged)
+            fs.write_file(new / file_name, chunks, modes.get(file_name))
         if len(files) > 1:
-            _write_index(new, files, file_names)
-        if path.is_dir():
-            _carry_over(path, new)
-        _fsync_directory(new)
-        _replace_directory(new, path)
-    except BaseException:
-        shutil.rmtree(new, ignore_errors=True)
-        raise
+            index = directory.index_name(weights_name)
+            fs.write_file(new / index, [_index_bytes(files, file_names)], modes.get(index))
+        for name, content in extra.items():
+            if isinstance(content, bytes):
+                fs.write_file(new / name, [content], modes.get(name))
+            else:
+                fs.copy_file(content, new / name, modes.get(name, _new_file_mode()))
+
+    # Arrays are sliced by small jitted functions on the devices holding them: a mesh set with
+    # `jax.set_mesh` would make those refuse arrays on one device of it.
+    with jax.set_mesh(None):
+        directory.replace(target, write_owned)
 
 
-def _write_index(directory: Path, files: Sequence[Sequence[_Record]], file_names: Sequence[str]):
-    weight_map = {r.name: f for f, rs in zip(file_names, files, strict=True) for r in rs}
-    index = {
-        "metadata": {"total_size": sum(r.nbytes for rs in files for r in rs)},
-        "weight_map": dict(sorted(weight_map.items())),
-    }
-    with open(directory / INDEX_FILE, "w") as f:
-        json.dump(index, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
+def _new_file_mode() -> int:
+    """The mode a new file gets from `open(..., "w")`: 0o666 less the process's umask."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)  # not thread-safe, hence only where /proc says nothing
+    os.umask(mask)
+    return 0o666 & ~mask
 
 
 def save_tensors(
@@ -319,6 +271,9 @@ def save_tensors(
     *,
     max_shard_bytes: int = 5 * 10**9,
     metadata: Mapping[str, str] | None = None,
+    weights_name: str = "model.safetensors",
+    files: Mapping[str, bytes | os.PathLike] | None = None,
+    other_weights: OtherWeights = "refuse",
 ) -> None:
     """Saves a model to safetensors files, one tensor at a time.
 
@@ -334,7 +289,14 @@ def save_tensors(
 
     Nothing.
     """
-    _save(path, tree, names, max_shard_bytes, metadata, "save_tensors")
+    options = dict(
+        max_shard_bytes=max_shard_bytes,
+        metadata=metadata,
+        weights_name=weights_name,
+        files=files,
+        other_weights=other_weights,
+    )
+    _save(path, tree, names, options, "save_tensors")
 
 
 def save_stacked(
@@ -344,6 +306,9 @@ def save_stacked(
     *,
     max_shard_bytes: int = 5 * 10**9,
     metadata: Mapping[str, str] | None = None,
+    weights_name: str = "model.safetensors",
+    files: Mapping[str, bytes | os.PathLike] | None = None,
+    other_weights: OtherWeights = "refuse",
 ) -> None:
     """Saves stacked layers as a safetensors checkpoint with one tensor per layer.
 
@@ -352,11 +317,22 @@ def save_stacked(
     tensor is copied to the host and written on its own, so saving needs one layer's tensor of
     memory beyond the model.
 
-    Saving never loses data: the checkpoint is written into a temporary directory beside `path`,
-    flushed to disk, and only then swapped into place (atomically on Linux), so an interrupted
-    save leaves any earlier checkpoint at `path` intact (and possibly a `.<name>.tmp-*`
-    directory to delete). Other files already in `path`, such as `config.json`, are kept; its
-    old `*.safetensors` files and index are replaced.
+    A checkpoint directory is one unit. The save writes the complete new directory beside
+    `path` (as `.<name>.tmp-<token>`), flushes it to disk, and swaps it with `path` in one
+    atomic step (`renameat2(RENAME_EXCHANGE)` on Linux); only then is the old checkpoint
+    deleted. Whenever the process dies, `path` holds exactly the old checkpoint or exactly the
+    new one, and if the save raises before the swap, `path` is unchanged and the error's notes
+    say so. A `.<name>.tmp-*` directory left by a killed save is never the checkpoint: delete
+    it once no save to `path` is running. The new directory keeps the old one's permissions;
+    a symbolic link `path` is kept, and the directory it points to replaced.
+
+    Of the old directory's entries, the save owns its weight files and index (any shard count)
+    and the `files` it is given, and writes them anew, each with the old file's mode if there
+    was one (else `0o666` less the umask, as any new file); it copies everything else (tokenizer,
+    `config.json`, README, subdirectories), never through a link, except weight files it does
+    not own, which it refuses (see `other_weights`). Targets it cannot replace (the current
+    directory, a mount point, a directory without owner write permission) are refused before
+    anything is written. See [the I/O guide](../io.md#saving).
 
     **Arguments:**
 
@@ -369,9 +345,26 @@ def save_stacked(
         gets a file of its own). Hugging Face's default is 5 GB.
     - `metadata`: strings to store in every file's header, added to `{"format": "pt"}` (which
         `transformers` requires).
+    - `weights_name`: the weight file's name, `model.safetensors` by default; shards are then
+        `<stem>-0000k-of-0000n.safetensors` and the index `<weights_name>.index.json` (PEFT
+        names adapters `adapter_model.safetensors`).
+    - `files`: other files to write into the same directory, in the same atomic step: file
+        names to their content (`bytes`) or to a `pathlib.Path` to copy, such as
+        `{"config.json": json.dumps(config).encode(), "tokenizer.json": Path("tok.json")}`.
+    - `other_weights`: what to do with weight files already in `path` that this save does not
+        own (another `*.safetensors`, a `*.bin` or `*.pt` pickle, ...): `"refuse"` (the
+        default) raises an error naming them and writes nothing, `"keep"` copies them into the
+        new checkpoint, `"drop"` leaves them out (they go with the old checkpoint).
 
     **Returns:**
 
     Nothing.
     """
-    _save(path, stacked, names, max_shard_bytes, metadata, "save_stacked")
+    options = dict(
+        max_shard_bytes=max_shard_bytes,
+        metadata=metadata,
+        weights_name=weights_name,
+        files=files,
+        other_weights=other_weights,
+    )
+    _save(path, stacked, names, options, "save_stacked")

@@ -4,7 +4,7 @@ import functools
 import json
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import equinox as eqx
 import jax
@@ -198,25 +198,41 @@ def load_hf(path: str | os.PathLike, *, dtype: Any = None, sharding: Any = None)
     return eqx_lean.load_tensors(path, like, _hf_name, sharding=sharding)
 
 
-def save_hf(model: Mistral, path: str | os.PathLike, *, max_shard_bytes: int = 2 * 2**30) -> None:
+def save_hf(
+    model: Mistral,
+    path: str | os.PathLike,
+    *,
+    max_shard_bytes: int = 2 * 2**30,
+    other_weights: Literal["refuse", "keep", "drop"] = "refuse",
+) -> None:
     """Writes `model` as a HuggingFace checkpoint that `transformers` loads.
 
     Writes `config.json` and, with [`eqx_lean.save_tensors`][], `model.safetensors` or, when
     the model exceeds `max_shard_bytes`, numbered shards and `model.safetensors.index.json`.
-    One tensor (one layer's slice of a stacked leaf) is copied to host memory at a time, and
-    the weights replace an existing checkpoint in `path` only once all of them are written.
+    One tensor (one layer's slice of a stacked leaf) is copied to host memory at a time.
+
+    The weights and `config.json` are one unit: they are written into a new directory beside
+    `path` that replaces `path` in one atomic step, so after a crash at any point `path` holds
+    exactly the old checkpoint or exactly the new one, config included. Other files in `path`
+    (tokenizer, generation config) are copied into the new directory; see
+    [`eqx_lean.save_stacked`][] for what a save owns, carries over and refuses.
 
     **Arguments:**
 
     - `model`: the [`Mistral`][] model.
     - `path`: the directory to write (created if needed).
     - `max_shard_bytes`: the largest shard size (a single larger tensor gets its own shard).
+    - `other_weights`: what to do with weight files in `path` that this save does not write
+        (such as a `consolidated.safetensors` or a `pytorch_model.bin`): `"refuse"` raises an
+        error naming them, `"keep"` copies them, `"drop"` leaves them out.
     """
-    path = os.fspath(path)
-    # transformers refuses safetensors files without this metadata.
-    metadata = {"format": "pt"}
-    eqx_lean.save_tensors(path, model, _hf_name, max_shard_bytes=max_shard_bytes, metadata=metadata)
     config = model.config.to_hf()
     config["dtype"] = jnp.dtype(model.dtype).name
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
+    eqx_lean.save_tensors(
+        path,
+        model,
+        _hf_name,
+        max_shard_bytes=max_shard_bytes,
+        files={"config.json": (json.dumps(config, indent=2) + "\n").encode()},
+        other_weights=other_weights,
+    )

@@ -12,9 +12,6 @@ error naming the field, never silently ignored.
 
 import json
 import os
-import shutil
-import tempfile
-import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -169,32 +166,17 @@ def _stacked_adapter_names(path: Any, leaf: Any) -> str:
 def _write_adapter_directory(path: str, adapters: Mistral, config_json: Mapping[str, Any]) -> None:
     """Writes `adapter_model.safetensors` and `adapter_config.json` into `path`, replacing it.
 
-    The one place that assembles an adapter directory: today the weights go through
-    `eqx_lean.save_tensors` into a temporary directory (which names them `model.safetensors`),
-    are renamed, joined by the config, and the whole directory is then renamed into place.
+    One atomic directory, as for any `eqx_lean` save: after a crash `path` holds the old
+    adapter or the new one, weights and config together. Other files (a README) are kept.
     """
-    path = os.path.abspath(path)
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise ValueError(f"`path` must be a directory (or not exist yet); {path} is a file.")
-    parent = os.path.dirname(path)
-    os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.tmp-", dir=parent)
-    try:
-        weights = os.path.join(staging, "weights")
-        eqx_lean.save_tensors(weights, adapters, _model_adapter_names)
-        new = os.path.join(staging, "adapter")
-        os.mkdir(new)
-        os.rename(os.path.join(weights, "model.safetensors"), os.path.join(new, WEIGHTS_FILE))
-        with open(os.path.join(new, CONFIG_FILE), "w") as f:
-            json.dump(dict(config_json), f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())
-        if os.path.isdir(path):  # keep the old directory until the new one is in place
-            old = os.path.join(staging, f"old-{uuid.uuid4().hex[:8]}")
-            os.rename(path, old)
-        os.rename(new, path)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    config_bytes = (json.dumps(dict(config_json), indent=2) + "\n").encode()
+    eqx_lean.save_tensors(
+        path,
+        adapters,
+        _model_adapter_names,
+        weights_name=WEIGHTS_FILE,
+        files={CONFIG_FILE: config_bytes},
+    )
 
 
 def save_adapters(model: Mistral, path: str | os.PathLike) -> None:
