@@ -37,9 +37,9 @@ def allocate_stacked(
         from `eqx.filter_eval_shape(make_layer, key)`) or concrete arrays (only their shapes and
         dtypes are used).
     - `num_layers`: the length `L` of the new leading layer axis.
-    - `dtype`: `None` keeps each leaf's dtype; a floating dtype casts every floating leaf; a
-        callable `(path, leaf) -> dtype | None` chooses per floating leaf. Integer, boolean,
-        complex and key-typed leaves are never cast.
+    - `dtype`: as for [`eqx_lean.build_stacked`][]; rules are given paths relative to
+        `abstract_layer` (see [paths](../getting-started.md#paths-in-rules-and-name-functions)).
+        Integer, boolean, complex and key-typed leaves are never cast.
     - `sharding`: each leaf's sharding within one layer, as for [`eqx_lean.build_stacked`][];
         each device allocates only its shards.
     - `mesh`: the mesh that `PartitionSpec`s in `sharding` refer to (default: the one set by
@@ -83,8 +83,8 @@ def _progress_bar(num_layers: int) -> Any:
         from tqdm.auto import tqdm
     except ImportError as e:
         raise ImportError(
-            "`progress=True` needs tqdm: `pip install tqdm`, or from a checkout of eqx_lean "
-            '`pip install ".[progress]"`.'
+            "`progress=True` needs tqdm: from the root of the eqx_lean checkout, `pip install "
+            '".[progress]"`, or `pip install tqdm`.'
         ) from e
     return tqdm(total=num_layers, desc="build_stacked", unit="layer")
 
@@ -141,10 +141,14 @@ def build_stacked(
     - `keys`: one key per layer: a typed key array of shape `(L,)` or raw `uint32` keys of shape
         `(L, 2)` (for the default Threefry implementation).
     - `dtype`: `None` keeps the dtypes `make_layer` produces; a floating dtype (such as
-        `jnp.bfloat16`) casts every floating leaf; a callable `(path, leaf) -> dtype | None`
-        chooses per floating leaf, given its key path and its per-layer `ShapeDtypeStruct` (for
-        example, to keep norms in float32). Integer, boolean, complex and key leaves are never
-        cast.
+        `jnp.bfloat16`) casts every floating leaf; a rule chooses per floating leaf: a ready-made
+        one such as `eqx_lean.dtypes.for_modules(eqx.nn.LayerNorm, jnp.float32,
+        otherwise=jnp.bfloat16)` (see [`eqx_lean.dtypes.for_modules`][]), or a function
+        `(path, leaf) -> dtype | None` given each leaf's key path in one layer and its
+        per-layer `ShapeDtypeStruct` (see
+        [paths](../getting-started.md#paths-in-rules-and-name-functions)).
+        [`eqx_lean.memory.describe`][] shows what every leaf gets. Integer, boolean, complex and
+        key leaves are never cast.
     - `sharding`: how each leaf of one layer is sharded (the layer axis is always replicated,
         so that `lax.scan` can slice it): `None` (default placement); one `Sharding` or
         `PartitionSpec` for every leaf; a pytree prefix of the layer with `Sharding`s,
@@ -256,7 +260,7 @@ def stack(layers: Sequence[M], dtype: DtypePolicy = None, *, consume: bool = Fal
 
     - `layers`: a non-empty sequence of layers with the same structure, static parts, and leaf
         shapes and dtypes.
-    - `dtype`: as for [`eqx_lean.build_stacked`][].
+    - `dtype`: as for [`eqx_lean.build_stacked`][], rules given paths relative to one layer.
     - `consume`: delete the source arrays as they are copied. The arrays in `layers` (and any
         other reference to them) are unusable afterwards.
 

@@ -1,10 +1,13 @@
 """Memory estimates, measurements and live-array reports (`eqx_lean.memory`)."""
 
 from ._memory import (
+    LeafInfo as LeafInfo,
+    LeafReport as LeafReport,
     LiveArrayGroup as LiveArrayGroup,
     LiveArrayReport as LiveArrayReport,
     Measurement as Measurement,
     MemoryEstimate as MemoryEstimate,
+    describe as describe,
     estimate as estimate,
     live_arrays as live_arrays,
     measure as measure,

@@ -1,11 +1,17 @@
 """The documentation: the site builds with `mkdocs build --strict`, every public name has an API
-entry, and every notebook in `docs/notebooks/` runs top to bottom."""
+entry, every notebook in `docs/notebooks/` runs top to bottom, and the code blocks of the pages
+a newcomer reads first run as written."""
 
 import ast
+import dataclasses
+import json
 import os
 import pathlib
+import re
+import select
 import subprocess
 import sys
+import tomllib
 
 import pytest
 
@@ -115,3 +121,320 @@ def test_notebook_runs(path: pathlib.Path, monkeypatch: pytest.MonkeyPatch):
         resources={"metadata": {"path": str(ROOT)}},
     )
     client.execute()
+
+
+# --- the pages a newcomer reads first: every code block runs as written ------------------------
+#
+# Every ```python and ```bash block of these pages runs, in page order, in a scratch directory
+# holding a link to `examples/` (so commands read as if run from the repository root). Python
+# blocks share one interpreter per page, as a reader pasting them one after the other would.
+# Markers, an HTML comment on the line before a block:
+#   <!-- not run: REASON -->   skipped, with the reason (7B sizes, installs, the full suite);
+#   <!-- own process -->       run alone in a fresh interpreter (memory figures need one).
+
+FIRST_HOUR_PAGES = ["docs/getting-started.md", "docs/faq.md", "examples/mistral7b/README.md"]
+_FENCE = re.compile(r"^```(\w*)\s*$")
+_MARKER = re.compile(r"^<!--\s*(not run:\s*(?P<reason>.+?)|(?P<own>own process))\s*-->\s*$")
+BLOCK_TIMEOUT_S = 300
+
+
+@dataclasses.dataclass(frozen=True)
+class CodeBlock:
+    page: str
+    line: int  # of the opening fence, 1-based
+    language: str
+    code: str
+    not_run: str | None  # the reason, for a block marked `not run`
+    own_process: bool
+
+
+def code_blocks(page: str) -> list[CodeBlock]:
+    """The fenced code blocks of a Markdown page, with the marker on the line before each."""
+    lines = (ROOT / page).read_text().splitlines()
+    blocks, i = [], 0
+    while i < len(lines):
+        opening = _FENCE.match(lines[i])
+        if not opening:
+            i += 1
+            continue
+        start, body = i, []
+        i += 1
+        while not lines[i].startswith("```"):
+            body.append(lines[i])
+            i += 1
+        marker = _MARKER.match(lines[start - 1]) if start else None
+        blocks.append(
+            CodeBlock(
+                page=page,
+                line=start + 1,
+                language=opening.group(1),
+                code="\n".join(body) + "\n",
+                not_run=marker.group("reason") if marker and marker.group("reason") else None,
+                own_process=bool(marker and marker.group("own")),
+            )
+        )
+        i += 1
+    return blocks
+
+
+# Reads blocks as JSON lines on stdin and runs each in one namespace. Whatever the blocks print
+# goes to stderr (a log); stdout carries one status line per block.
+_SESSION = """
+import json, os, sys, traceback
+report = os.fdopen(os.dup(1), "w")
+os.dup2(2, 1)
+namespace = {"__name__": "__main__"}
+for line in sys.stdin:
+    block = json.loads(line)
+    try:
+        exec(compile(block["code"], block["where"], "exec"), namespace)
+        status = "ok"
+    except BaseException:
+        traceback.print_exc()
+        status = "failed"
+    sys.stdout.flush()
+    sys.stderr.flush()
+    report.write(status + "\\n")
+    report.flush()
+"""
+
+
+def _page_env(devices: int) -> dict[str, str]:
+    env = _mkdocs_env()
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
+def _where(block: CodeBlock) -> str:
+    return f"{block.page}:{block.line}"
+
+
+def _tail(log: pathlib.Path) -> str:
+    return log.read_text(errors="replace")[-6000:]
+
+
+class _Session:
+    """One Python interpreter that runs a page's blocks one after another."""
+
+    def __init__(self, cwd: pathlib.Path, env: dict[str, str], log: pathlib.Path):
+        self._log_path = log
+        self._log = log.open("w")
+        self._process = subprocess.Popen(
+            [sys.executable, "-c", _SESSION],
+            cwd=cwd,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+        )
+
+    def run(self, block: CodeBlock) -> None:
+        stdin, stdout = self._process.stdin, self._process.stdout
+        assert stdin is not None and stdout is not None
+        stdin.write(json.dumps({"code": block.code, "where": _where(block)}) + "\n")
+        stdin.flush()
+        ready, _, _ = select.select([stdout], [], [], BLOCK_TIMEOUT_S)
+        if not ready:
+            self._process.kill()
+            pytest.fail(f"{_where(block)} ran over {BLOCK_TIMEOUT_S} s:\n{_tail(self._log_path)}")
+        status = stdout.readline().strip()
+        if status != "ok":
+            pytest.fail(f"{_where(block)} failed:\n{_tail(self._log_path)}")
+
+    def close(self) -> None:
+        if self._process.stdin is not None:
+            self._process.stdin.close()
+        try:
+            self._process.wait(timeout=60)
+        finally:
+            if self._process.poll() is None:
+                self._process.kill()
+            self._log.close()
+
+
+def _run_alone(block: CodeBlock, cwd: pathlib.Path, env: dict[str, str]) -> None:
+    if block.language == "bash":
+        command = ["bash", "-euo", "pipefail", "-c", block.code]
+    else:
+        command = [sys.executable, "-c", block.code]
+    done = subprocess.run(
+        command, cwd=cwd, env=env, capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S
+    )
+    if done.returncode != 0:
+        pytest.fail(f"{_where(block)} failed:\n{(done.stdout + done.stderr)[-6000:]}")
+
+
+def run_page(page: str, workdir: pathlib.Path, devices: int) -> list[str]:
+    """Runs every Python and shell block of `page` in order; returns the skipped ones' reasons."""
+    (workdir / "examples").symlink_to(ROOT / "examples")
+    env = _page_env(devices)
+    skipped, session = [], None
+    try:
+        for block in code_blocks(page):
+            if block.language not in ("python", "bash"):
+                continue
+            if block.not_run:
+                skipped.append(f"{_where(block)}: {block.not_run}")
+            elif block.language == "bash" or block.own_process:
+                _run_alone(block, workdir, env)
+            else:
+                session = session or _Session(workdir, env, workdir.parent / "session.log")
+                session.run(block)
+    finally:
+        if session is not None:
+            session.close()
+    return skipped
+
+
+# Getting started runs on 8 forced CPU devices, as its sharded section suggests (a newcomer
+# without the flag gets one device: that run is slow-marked, as it adds nothing sharded).
+PAGE_RUNS = [
+    pytest.param("docs/getting-started.md", 8, id="getting-started-8-devices"),
+    pytest.param(
+        "docs/getting-started.md", 1, id="getting-started-1-device", marks=pytest.mark.slow
+    ),
+    pytest.param("docs/faq.md", 1, id="faq"),
+    pytest.param("examples/mistral7b/README.md", 1, id="mistral-readme"),
+]
+
+
+@pytest.mark.parametrize("page, devices", PAGE_RUNS)
+def test_first_hour_page_runs_as_written(page: str, devices: int, tmp_path: pathlib.Path):
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    skipped = run_page(page, workdir, devices)
+    print("\n".join(["not run:", *skipped]))
+
+
+def test_first_hour_pages_mark_every_block():
+    """Every fenced block names its language, and a block that is not run says why."""
+    for page in FIRST_HOUR_PAGES:
+        for block in code_blocks(page):
+            assert block.language, f"{_where(block)}: a fenced block without a language"
+            if block.not_run is not None:
+                assert len(block.not_run) > 3, f"{_where(block)}: `not run` needs a reason"
+
+
+def _extras() -> dict[str, list[str]]:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+
+
+def _package_names(requirements: list[str]) -> set[str]:
+    names = set()
+    for requirement in requirements:
+        name = re.match(r"[A-Za-z0-9_.-]+", requirement)
+        assert name is not None, requirement
+        names.add(name.group(0).lower())
+    return names
+
+
+def _install_hints() -> list[tuple[str, str]]:
+    """Every string constant of the library and the example that tells how to install."""
+    hints = []
+    for path in [*(ROOT / "eqx_lean").rglob("*.py"), *(ROOT / "examples").rglob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                if "pip install" in node.value:
+                    hints.append((str(path.relative_to(ROOT)), node.value))
+    return hints
+
+
+def test_install_hints_name_the_checkout_s_extras():
+    """eqx_lean is not on a package index: a hint says `pip install ".[extra]"` from the
+    checkout, with an extra that exists and holds the package the hint is about."""
+    extras = _extras()
+    hints = _install_hints()
+    assert len(hints) >= 5, hints  # tqdm, optax, tokenizers (twice), matplotlib at least
+    for where, hint in hints:
+        assert "eqx_lean[" not in hint, (where, hint)
+        named = re.findall(r'pip install "\.\[([\w,-]+)\]"', hint)
+        assert named, f"{where}: {hint!r} names no extra of the checkout"
+        assert "root of the eqx_lean checkout" in hint, (where, hint)
+        packages = set()
+        for extra in ",".join(named).split(","):
+            assert extra in extras, (where, extra)
+            packages |= _package_names(extras[extra])
+        for package in re.findall(r"`pip install ([A-Za-z][\w-]*)`", hint):
+            assert package.lower() in packages, (where, package, named)
+
+
+@pytest.mark.parametrize(
+    "code, expected",
+    [
+        (
+            "import sys; sys.modules['optax'] = None\n"
+            "from examples.mistral7b.train import adamw\nadamw()",
+            "Training needs optax: from the root of the eqx_lean checkout, "
+            '`pip install ".[train]"`',
+        ),
+        (
+            "import sys; sys.modules['tqdm'] = None; sys.modules['tqdm.auto'] = None\n"
+            "import jax, equinox as eqx, eqx_lean\n"
+            "eqx_lean.build_stacked(lambda k: eqx.nn.Linear(2, 2, key=k),"
+            " jax.random.split(jax.random.key(0), 2), progress=True)",
+            "`progress=True` needs tqdm: from the root of the eqx_lean checkout, `pip install "
+            '".[progress]"`',
+        ),
+    ],
+    ids=["optax", "tqdm"],
+)
+def test_a_missing_optional_package_names_its_extra(code: str, expected: str):
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=_page_env(1), capture_output=True, text=True
+    )
+    assert done.returncode != 0
+    assert "ImportError: " + expected in done.stderr, done.stderr[-3000:]
+
+
+def test_getting_started_lists_every_extra():
+    install = next(b for b in code_blocks("docs/getting-started.md") if b.language == "bash")
+    for extra in _extras():
+        assert f'pip install ".[{extra}]"' in install.code, extra
+
+
+def test_estimate_and_measure_are_shown_in_separate_processes_caveat_first():
+    page = "docs/getting-started.md"
+    blocks = code_blocks(page)
+    estimates = [b for b in blocks if "eqx_lean.memory.estimate(" in b.code]
+    measures = [b for b in blocks if "eqx_lean.memory.measure(" in b.code]
+    assert estimates and measures
+    for block in estimates + measures:
+        assert block.own_process, f"{_where(block)} must run in its own process"
+        assert not (
+            "eqx_lean.memory.estimate(" in block.code and "eqx_lean.memory.measure(" in block.code
+        ), f"{_where(block)} estimates and measures in one process"
+    lines = (ROOT / page).read_text().splitlines()
+    caveat = next(
+        i for i, line in enumerate(lines) if "Measure each build in a fresh process" in line
+    )
+    assert caveat + 1 < min(b.line for b in estimates + measures)
+    assert "337.8 MiB" in " ".join(lines[caveat : caveat + 8])
+
+
+def test_mistral_readme_has_a_tiny_path_and_explains_a_shallow_build_s_ratio():
+    from examples.mistral7b import MistralConfig
+    from examples.mistral7b.train import small_config
+
+    assert MistralConfig.preset("tiny") == MistralConfig.tiny() == small_config()
+    page = "examples/mistral7b/README.md"
+    text = (ROOT / page).read_text()
+    tiny = text.index("## A tiny model end to end")
+    assert tiny < text.index("## Files")  # the first thing a reader meets
+    commands = "".join(
+        b.code for b in code_blocks(page) if b.language == "bash" and b.not_run is None
+    )
+    for command in [
+        "build --preset tiny --save tiny",
+        "load --checkpoint tiny",
+        "generate --checkpoint tiny ",
+        "finetune --checkpoint tiny",
+        "merge --checkpoint tiny --adapters tiny-lora --out tiny-merged",
+        "generate --checkpoint tiny-merged",
+    ]:
+        assert f"python -m examples.mistral7b {command}" in commands, command
+    shallow = text.index("**A shallow full-width build reports a higher ratio.**")
+    explanation = text[shallow : shallow + 1800]
+    for fact in ["--layers 2", "ratio 1.920", "embedding", "1500 MiB of XLA temporaries"]:
+        assert fact in explanation, fact

@@ -332,6 +332,44 @@ def test_names_as_a_pytree_built_with_tree_at(tmp_path):
     assert_bitwise_equal(eqx_lean.load_stacked(tmp_path / "ckpt", like, names), stacked)
 
 
+def test_a_names_function_that_raises_names_the_leaf_and_the_path_convention(tmp_path):
+    """`load_stacked`/`save_stacked` give `names` one layer's paths, `load_tensors`/
+    `save_tensors` the whole model's: a map written for one, used with the other, fails with a
+    message naming the leaf, the function and the convention, its KeyError the cause."""
+    stacked, like = build(2, jnp.float32)
+    eqx_lean.save_stacked(tmp_path / "blocks", stacked, hf_names)
+    with pytest.raises(KeyError) as caught:
+        eqx_lean.load_stacked(tmp_path / "blocks", like, hf_model_names)
+    message = str(caught.value)
+    assert message.startswith(
+        "The `names` function of load_stacked raised KeyError: '.attn.weight' for leaf "
+        ".attn.weight (float32[2, 8, 8]). load_stacked gives it paths relative to `like`, the "
+        "stacked layers: one layer's paths"
+    ), message
+    assert "does not serve load_tensors/save_tensors (the whole model's paths)" in message
+    assert "'Paths in rules and name functions' in docs/getting-started.md" in message
+    assert isinstance(caught.value.__cause__, KeyError)
+    with pytest.raises(KeyError, match="`names` function of save_stacked raised KeyError"):
+        eqx_lean.save_stacked(tmp_path / "other", stacked, hf_model_names)
+
+    model = random_model(2)
+    with pytest.raises(KeyError, match=r"save_tensors raised KeyError: '\.embed\.weight'.*`tree`"):
+        eqx_lean.save_tensors(tmp_path / "model", model, hf_names)
+    eqx_lean.save_tensors(tmp_path / "model", model, hf_model_names)
+    like_model = eqx.filter_eval_shape(Model, 2, key=jax.random.key(1))
+    with pytest.raises(KeyError) as caught:
+        eqx_lean.load_tensors(tmp_path / "model", like_model, hf_names)
+    assert "load_tensors gives it paths relative to `like`, the whole model, such as " in str(
+        caught.value
+    )
+
+    def not_a_key_error(path, leaf):
+        raise RuntimeError("the map is broken")
+
+    with pytest.raises(RuntimeError, match="load_stacked raised RuntimeError: the map is broken"):
+        eqx_lean.load_stacked(tmp_path / "blocks", like, not_a_key_error)
+
+
 def test_leaf_named_none_is_kept_from_like_and_not_saved(tmp_path):
     stacked, like = build(2, jnp.float32)
 

@@ -4,6 +4,7 @@ import json
 import logging
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import textwrap
@@ -18,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import eqx_lean
 from eqx_lean import _memory
+from eqx_lean._memory.table import format_bytes
 from eqx_lean.bench._models import Block, BlockConfig
 from eqx_lean.bench._worker import cast_floating
 
@@ -122,6 +124,7 @@ def test_table_and_repr(tiny_estimate):
     _, estimate = tiny_estimate
     text = repr(estimate)
     assert text.startswith("MemoryEstimate(")
+    assert "`.leaves`" in text.splitlines()[-2]
     lines = estimate.table().splitlines()
     assert lines[0].startswith("6 layers on cpu: final ")
     assert lines[1].split() == [
@@ -311,16 +314,59 @@ EIGHT_DEVICES = textwrap.dedent(
     replicated = jax.device_put(jnp.zeros((1000,), jnp.float32), NamedSharding(mesh, P()))
     report = eqx_lean.memory.live_arrays(top=None)
     group = [g for g in report.groups if g.shape == (1000,) and g.dtype == "float32"]
+    unsharded = eqx_lean.memory.estimate(make, keys, jnp.bfloat16)
     print(json.dumps({
         "final": e.final_bytes, "per_device": e.final_bytes_per_device,
         "devices": e.num_devices, "built": sum(x.nbytes for x in leaves),
         "on_device_0": on_device_0, "replicated": group[0].nbytes, "sharding": group[0].sharding,
+        "table": e.table(), "unsharded_table": unsharded.table(),
+        "peaks": [e.build_stacked_peak, e.filter_vmap_peak, e.filter_jit_vmap_peak],
+        "leaf_shardings": [x.sharding for x in e.leaves],
+        "leaf_per_device": sum(x.nbytes_per_device for x in e.leaves),
     }))
     """
 )
 
 
-def test_per_device_figures_on_eight_devices():
+def test_describe_shows_every_leaf_s_dtypes_before_building():
+    keys = jax.random.split(jax.random.key(1), 3)
+    report = eqx_lean.memory.describe(make_tiny, keys, _keep_norms_float32)
+    built = eqx_lean.build_stacked(make_tiny, keys, _keep_norms_float32)
+    flat = jax.tree_util.tree_flatten_with_path(eqx.filter(built, eqx.is_array))[0]
+    assert [x.path for x in report] == [jax.tree_util.keystr(p) for p, _ in flat]
+    for (_, array), leaf in zip(flat, report, strict=True):
+        assert leaf.shape == array.shape
+        assert leaf.stored_dtype == str(array.dtype)
+        assert leaf.nbytes == leaf.nbytes_per_device == array.nbytes
+        assert leaf.sharding == "default"
+    one_layer = make_tiny(keys[0])
+    assert report[".linear.weight"].built_dtype == str(one_layer.linear.weight.dtype)
+    assert report[".norm.weight"].stored_dtype == "float32"
+    assert report[".count"].stored_dtype == report[".count"].built_dtype == "int32"
+    lines = report.table().splitlines()
+    assert lines[0] == f"5 leaves of 3 layers: {format_bytes(_nbytes(built))}"
+    assert lines[1].split()[:4] == ["leaf", "shape", "built", "stored"]
+    assert lines[3].split() == [
+        ".linear.weight",
+        "[3,",
+        "160,",
+        "96]",
+        "float32",
+        "bfloat16",
+        "default",
+        "90.0",
+        "KiB",
+    ]
+    assert repr(report).startswith("LeafReport(\n5 leaves")
+    with pytest.raises(KeyError, match="No leaf at '.nope'"):
+        report[".nope"]
+    # `estimate` carries the same report.
+    estimate = eqx_lean.memory.estimate(make_tiny, keys, _keep_norms_float32)
+    assert estimate.leaves == report
+
+
+@pytest.fixture(scope="module")
+def eight_devices() -> dict:
     done = subprocess.run(
         [sys.executable, "-c", EIGHT_DEVICES],
         env=_env(devices=8),
@@ -329,13 +375,55 @@ def test_per_device_figures_on_eight_devices():
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_per_device_figures_on_eight_devices(eight_devices):
+    report = eight_devices
     assert report["devices"] == 8
     assert report["final"] == report["built"]
     assert report["per_device"] == report["on_device_0"]
     assert report["per_device"] < report["final"] // 4
     assert report["replicated"] == 8 * 1000 * 4
     assert report["sharding"] == f"{P()} over (d=8)"
+    # The leaf report shows the fsdp specs (per layer) and sums to the per-device share.
+    assert report["leaf_per_device"] == report["on_device_0"]
+    assert "P('d', None)" in report["leaf_shardings"]
+
+
+def _rows(table: str) -> dict[str, list[str]]:
+    """Table rows by method, split on runs of two or more spaces (cells hold single spaces)."""
+    lines = table.splitlines()
+    rows = [re.split(r"\s{2,}", line.strip()) for line in lines[3:]]
+    return {row[0]: row[1:] for row in rows}
+
+
+def test_sharded_estimate_table_uses_one_basis_per_row(eight_devices):
+    """With 8 devices, `build_stacked`'s row is per device and the `filter_vmap` rows, which run
+    unsharded, compare their peak with the whole model: each says so, and a ratio never divides
+    an unsharded peak by a per-device size."""
+    report = eight_devices
+    rows = _rows(report["table"])
+    header = re.split(r"\s{2,}", report["table"].splitlines()[1].strip())
+    assert header == ["method", "basis", "predicted peak", "over final", "peak / final"]
+    assert rows["build_stacked"][0] == "per device (of 8)"
+    assert (
+        rows["filter_vmap, eager"][0]
+        == rows["filter_jit(filter_vmap)"][0]
+        == ("1 device, unsharded")
+    )
+    build_peak, vmap_peak, jit_peak = report["peaks"]
+    bases = {
+        "build_stacked": (build_peak, report["per_device"]),
+        "filter_vmap, eager": (vmap_peak, report["final"]),
+        "filter_jit(filter_vmap)": (jit_peak, report["final"]),
+    }
+    for method, (peak, final) in bases.items():
+        assert rows[method][-1] == f"{peak / final:.2f}x", (method, rows[method])
+    # The unsharded rows read exactly as in the estimate of the same build without a sharding.
+    unsharded = _rows(report["unsharded_table"])
+    for method in ("filter_vmap, eager", "filter_jit(filter_vmap)"):
+        assert rows[method][1:] == unsharded[method], (rows[method], unsharded[method])
 
 
 # --- accuracy against fresh-process measurements ------------------------------------------------

@@ -108,6 +108,9 @@ def test_presets():
     assert (v03.sliding_window, v03.vocab_size, v03.rope_theta) == (None, 32768, 1e6)
     assert (v01.head_dim, v01.num_hidden_layers, v01.num_key_value_heads) == (128, 32, 8)
     assert MistralConfig.preset("v0.3") == v03
+    tiny = MistralConfig.preset("tiny")
+    assert (tiny.vocab_size, tiny.hidden_size, tiny.num_hidden_layers) == (256, 128, 2)
+    assert (tiny.sliding_window, tiny.dtype) == (32, "float32")
 
 
 def test_config_errors():

@@ -798,6 +798,59 @@ def test_prefix_over_a_layer_with_none_fields(one_device_mesh):
         assert x.sharding.spec == (spec if spec != P() else P(None)), path
 
 
+class CustomError(Exception):
+    pass
+
+
+def test_a_rule_that_raises_names_its_leaf_argument_and_the_path_convention(one_device_mesh):
+    """A user's rule failing (a name map without the path it was given) is re-raised with the
+    leaf, the argument and where paths are relative to; its own exception is the cause."""
+    keys = jax.random.split(jax.random.key(0), 2)
+    per_model = {".blocks['w']": jnp.bfloat16}  # written for a whole model's paths
+
+    def dtype_rule(path, leaf):
+        return per_model[jax.tree_util.keystr(path)]
+
+    with pytest.raises(KeyError) as caught:
+        eqx_lean.build_stacked(make_small, keys, dtype_rule)
+    message = str(caught.value)
+    assert message.startswith(
+        "The `dtype` rule raised KeyError: \"['b']\" for leaf ['b'] (float32[8])."
+    ), message
+    assert "relative to the tree they are given: one layer in build_stacked" in message
+    assert "'Paths in rules and name functions' in docs/getting-started.md" in message
+    assert isinstance(caught.value.__cause__, KeyError)
+    assert caught.value.__cause__.args == ("['b']",)
+
+    def sharding_rule(path, leaf):
+        raise CustomError("no spec for this leaf")
+
+    for call in [
+        lambda: eqx_lean.build_stacked(make_small, keys, None, sharding_rule, mesh=one_device_mesh),
+        lambda: eqx_lean.allocate_stacked(
+            eqx.filter_eval_shape(make_small, keys[0]), 2, None, sharding_rule
+        ),
+    ]:
+        # A user's own exception type becomes a ValueError, caused by it.
+        with pytest.raises(
+            ValueError, match=r"The `sharding` rule raised CustomError: no spec"
+        ) as e:
+            call()
+        assert "for leaf ['b'] (float32[8])" in str(e.value)
+        assert isinstance(e.value.__cause__, CustomError)
+
+    # `gather=` rules go through the same resolver, named as `gather`.
+    square = lambda k: eqx.nn.Linear(8, 8, key=k)  # noqa: E731
+    stacked = eqx_lean.build_stacked(square, keys, None, P(), mesh=one_device_mesh)
+
+    def gather_rule(path, leaf):
+        raise IndexError("out of specs")
+
+    with pytest.raises(IndexError, match=r"The `gather` rule raised IndexError: out of specs") as e:
+        eqx_lean.fold(stacked, jnp.ones(8), gather=gather_rule)
+    assert "for leaf .weight (float32[8, 8])" in str(e.value)
+
+
 def test_error_fsdp_unknown_axis(one_device_mesh):
     with pytest.raises(ValueError, match=where("`axis`", "['model']", "('data',)")):
         eqx_lean.fsdp(one_device_mesh, "model")

@@ -5,8 +5,13 @@ scripts in `benchmarks/` may use it. It is not public API and may change between
 
 - `layout`: how a layer splits into array leaves and a static part (`Layout`), the checks of
   `keys` and of a stacked module's layer axis, the leaves' target structs and write groups.
-- `policy`: dtype rules and the one sharding resolver (`resolve_shardings`), validator
-  (`check_spec`) and error format; `fsdp`.
+- `rules`: what every user rule shares: the path convention (`PATH_CONVENTION`), the error a
+  failing user rule or name function is re-raised as (`rule_error`), and `TreeDtypeRule`, the
+  base of dtype rules resolved against the whole tree.
+- `policy`: dtype policies of one leaf (`leaf_dtype`), the one sharding resolver
+  (`resolve_shardings`), validator (`check_spec`) and error format; `fsdp`.
+- `dtypes`: the ready-made rules of `eqx_lean.dtypes` (by module type, by rank), resolved
+  against the whole tree, and the one dtype resolver (`resolve_dtypes`).
 - `program`: `make_layer` traced once (`trace_layer`), with a key by content.
 - `writes`: allocation, donated row writes, the build plan (`plan_build`), its compiled writes
   (`compile_writes`, cached by content in `WRITES`; `lower_writes` for inspection) and `fill`.
@@ -16,6 +21,13 @@ in `eqx_lean._compat`.
 """
 
 from .._platform import Tricks as Tricks, lower as lower
+from .dtypes import (
+    ForModules as ForModules,
+    ForVectors as ForVectors,
+    for_modules as for_modules,
+    for_vectors as for_vectors,
+    resolve_dtypes as resolve_dtypes,
+)
 from .layout import (
     Layout as Layout,
     is_array_like as is_array_like,
@@ -28,21 +40,25 @@ from .layout import (
     zeros_like_struct as zeros_like_struct,
 )
 from .policy import (
+    PATH_CONVENTION as PATH_CONVENTION,
     DtypePolicy as DtypePolicy,
     KeyPath as KeyPath,
     LayerAxis as LayerAxis,
     ShardingPolicy as ShardingPolicy,
+    TreeDtypeRule as TreeDtypeRule,
     axis_names as axis_names,
     check_dtype_policy as check_dtype_policy,
     check_layer_axis as check_layer_axis,
     check_spec as check_spec,
     current_mesh as current_mesh,
+    describe_raised as describe_raised,
     fsdp as fsdp,
     has_explicit_axes as has_explicit_axes,
     is_floating as is_floating,
     leaf_dtype as leaf_dtype,
     per_layer_sharding as per_layer_sharding,
     resolve_shardings as resolve_shardings,
+    rule_error as rule_error,
     stacked_sharding as stacked_sharding,
     stacked_shardings as stacked_shardings,
 )

@@ -10,7 +10,8 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array
 
-from .policy import DtypePolicy, leaf_dtype
+from .dtypes import resolve_dtypes
+from .policy import DtypePolicy
 
 
 Structs = tuple[jax.ShapeDtypeStruct, ...]
@@ -98,12 +99,16 @@ def num_layers_of_stack(dynamic: Any, what: str = "stacked") -> int:
 
 
 def target_structs(layout: Layout, num_layers: int, dtype: DtypePolicy) -> Structs:
-    """The stacked leaves `(num_layers, *leaf.shape)` in the dtypes `dtype` chooses."""
-    structs = []
-    for path, leaf in zip(layout.paths, layout.structs, strict=True):
-        target, weak = leaf_dtype(dtype, path, leaf)
-        structs.append(jax.ShapeDtypeStruct((num_layers, *leaf.shape), target, weak_type=weak))
-    return tuple(structs)
+    """The stacked leaves `(num_layers, *leaf.shape)` in the dtypes `dtype` chooses.
+
+    `dtype` is resolved against the layer itself (its module types), each leaf seen per layer.
+    """
+    layer = layout.combine(layout.structs)
+    chosen = resolve_dtypes(dtype, layer, layout.paths, layout.structs)
+    return tuple(
+        jax.ShapeDtypeStruct((num_layers, *leaf.shape), target, weak_type=weak)
+        for leaf, (target, weak) in zip(layout.structs, chosen, strict=True)
+    )
 
 
 def zeros_like_struct(struct: jax.ShapeDtypeStruct) -> Array:

@@ -10,11 +10,18 @@ import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec, Sharding
 from jaxtyping import PyTree
 
+from .rules import (
+    PATH_CONVENTION as PATH_CONVENTION,
+    DtypeRule as DtypeRule,
+    KeyPath as KeyPath,
+    TreeDtypeRule as TreeDtypeRule,
+    describe_raised as describe_raised,
+    rule_error as rule_error,
+)
+
 
 DtypeLike: TypeAlias = Any
-KeyPath: TypeAlias = tuple[Any, ...]
-DtypeRule: TypeAlias = Callable[[KeyPath, jax.ShapeDtypeStruct], DtypeLike | None]
-DtypePolicy: TypeAlias = DtypeLike | DtypeRule | None
+DtypePolicy: TypeAlias = DtypeLike | DtypeRule | TreeDtypeRule | None
 
 
 def is_floating(dtype: Any) -> bool:
@@ -38,7 +45,7 @@ def _as_floating_dtype(value: Any, what: str) -> np.dtype:
 
 def check_dtype_policy(dtype: DtypePolicy) -> DtypePolicy:
     """Validates a `dtype` argument eagerly, so a bad one fails before anything is built."""
-    if dtype is None or _is_rule(dtype):
+    if dtype is None or isinstance(dtype, TreeDtypeRule) or _is_rule(dtype):
         return dtype
     return _as_floating_dtype(dtype, "`dtype`")
 
@@ -62,8 +69,21 @@ def leaf_dtype(dtype: DtypePolicy, path: KeyPath, leaf: jax.ShapeDtypeStruct) ->
     weak = bool(getattr(leaf, "weak_type", False))
     if dtype is None or not is_floating(leaf.dtype):
         return jnp.dtype(leaf.dtype), weak
+    if isinstance(dtype, TreeDtypeRule):
+        raise TypeError(
+            f"{type(dtype).__name__} must be bound to its tree first (`resolve_dtypes`)."
+        )
     if _is_rule(dtype):
-        chosen = dtype(path, leaf)
+        try:
+            chosen = dtype(path, leaf)
+        except Exception as e:
+            raise rule_error(
+                e,
+                f"The `dtype` rule raised {describe_raised(e)} for leaf "
+                f"{jax.tree_util.keystr(path)} ({leaf.dtype}{list(leaf.shape)}). "
+                f"{PATH_CONVENTION} A dtype rule sees one layer's ShapeDtypeStruct for a "
+                "stacked leaf.",
+            ) from e
         if chosen is None:
             return leaf.dtype, weak
         where = f"the `dtype` rule's result for leaf {jax.tree_util.keystr(path)}"
@@ -104,7 +124,10 @@ def _per_leaf(
         return [sharding] * len(structs)
     if is_sharding_rule(sharding):
         rule = cast(ShardingRule, sharding)
-        return [rule(path, struct) for path, struct in zip(paths, structs, strict=True)]
+        return [
+            _call_sharding_rule(rule, path, struct, argument)
+            for path, struct in zip(paths, structs, strict=True)
+        ]
     layer_of_structs = jax.tree.unflatten(treedef, structs)
     chosen: list[Any] = []
 
@@ -121,6 +144,21 @@ def _per_leaf(
             f"Shardings, PartitionSpecs or None; it does not match the layer: {e}"
         ) from e
     return chosen
+
+
+def _call_sharding_rule(
+    rule: ShardingRule, path: KeyPath, struct: jax.ShapeDtypeStruct, argument: str
+) -> Any:
+    try:
+        return rule(path, struct)
+    except Exception as e:
+        raise rule_error(
+            e,
+            f"The `{argument}` rule raised {describe_raised(e)} for leaf "
+            f"{jax.tree_util.keystr(path)} ({struct.dtype}{list(struct.shape)}). "
+            f"{PATH_CONVENTION} A `{argument}` rule sees one layer's ShapeDtypeStruct for a "
+            "stacked leaf.",
+        ) from e
 
 
 def axis_names(entry: Any) -> tuple[str, ...]:

@@ -26,8 +26,8 @@ from .._core import (
     current_mesh,
     delete_arrays,
     is_floating,
-    leaf_dtype,
     per_layer_sharding,
+    resolve_dtypes,
     resolve_shardings,
     stacked_shardings,
     write_layer,
@@ -111,21 +111,29 @@ def _resolve_shardings(
     ]
 
 
-def _target_of(
-    path: KeyPath, leaf: jax.ShapeDtypeStruct, name: TensorName | None, dtype: DtypePolicy
-) -> jax.ShapeDtypeStruct:
-    # A dtype rule sees one layer of a stacked leaf, as in `build_stacked`.
-    per_layer = name is not None and name.stacked
-    seen = jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype) if per_layer else leaf
-    target_dtype, _ = leaf_dtype(dtype, path, seen)
-    return jax.ShapeDtypeStruct(leaf.shape, target_dtype)
+def _targets(
+    layout: Layout, tensor_names: Sequence[TensorName | None], dtype: DtypePolicy
+) -> list[jax.ShapeDtypeStruct]:
+    # A dtype rule sees one layer of a stacked leaf, as in `build_stacked`, and rules by module
+    # type are resolved against `like`.
+    seen = [
+        jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype)
+        if name is not None and name.stacked
+        else leaf
+        for leaf, name in zip(layout.structs, tensor_names, strict=True)
+    ]
+    chosen = resolve_dtypes(dtype, layout.combine(layout.structs), layout.paths, seen)
+    return [
+        jax.ShapeDtypeStruct(leaf.shape, target)
+        for leaf, (target, _) in zip(layout.structs, chosen, strict=True)
+    ]
 
 
 def _plan_leaves(
     like: Any, names: Any, dtype: DtypePolicy, sharding: Any, mesh: Any, layer_axis: Any, fn: str
 ) -> tuple[Layout, list[_LoadLeaf], int | None]:
     layout = Layout.of(like)
-    tensor_names = resolve_names(names, layout)
+    tensor_names = resolve_names(names, layout, fn)
     if fn == "load_stacked":
         require_all_stacked(layout, tensor_names, fn)
     num_layers = layer_count(layout, tensor_names)
@@ -134,9 +142,10 @@ def _plan_leaves(
         path: x
         for path, x in jax.tree_util.tree_flatten_with_path(eqx.filter(like, eqx.is_array))[0]
     }
+    targets = _targets(layout, tensor_names, dtype)
     leaves = []
-    for path, leaf, name, leaf_sharding in zip(
-        layout.paths, layout.structs, tensor_names, shardings, strict=True
+    for path, leaf, name, leaf_sharding, target in zip(
+        layout.paths, layout.structs, tensor_names, shardings, targets, strict=True
     ):
         if name is None and path not in concrete:
             raise ValueError(
@@ -146,7 +155,6 @@ def _plan_leaves(
             )
         if name is not None:
             check_transpose_rank(path, name, leaf.shape[1:] if name.stacked else leaf.shape)
-        target = _target_of(path, leaf, name, dtype)
         leaves.append(_LoadLeaf(path, target, name, concrete.get(path), leaf_sharding))
     return layout, leaves, num_layers
 
@@ -294,7 +302,8 @@ def _write_signatures(leaf: _LoadLeaf, shard: _Shard, stored: np.dtype) -> set[t
 def _host_slice(stored: np.ndarray, name: TensorName, index: tuple[slice, ...]) -> np.ndarray:
     """The part `index` (in the leaf's axis order) of a stored tensor, as a view when possible."""
     view = stored if name.transpose is None else stored.transpose(name.transpose)
-    return view[index]
+    # A layer of a stacked scalar leaf indexes to a NumPy scalar, which is not an array.
+    return np.asarray(view[index])
 
 
 def _put(value: np.ndarray, device: Any) -> Array:
@@ -456,11 +465,14 @@ def load_tensors(
     embedding stored in float32 never exists on the device in float32 as a whole.
 
     **Arguments:** as for [`eqx_lean.load_stacked`][]; `like` is the whole model, and `names`
-    may mix templates with `{i}` and plain names. `sharding` has its one meaning: for a leaf
-    named with `{i}` it is one layer's sharding (the layer axis is replicated, unless
-    `layer_axis` names mesh axes for it); for a plain leaf it is the whole tensor's. A rule
-    `(path, leaf)` sees one layer's `ShapeDtypeStruct` for the first and the tensor's for the
-    second.
+    may mix templates with `{i}` and plain names. Paths given to `names`, `dtype` and `sharding`
+    rules are the whole model's (such as `.blocks.mlp.weight`): a name map written for
+    `load_stacked` needs its prefix (see
+    [paths](../getting-started.md#paths-in-rules-and-name-functions)). `sharding` has its one
+    meaning: for a leaf named with `{i}` it is one layer's sharding (the layer axis is
+    replicated, unless `layer_axis` names mesh axes for it); for a plain leaf it is the whole
+    tensor's. A rule `(path, leaf)` sees one layer's `ShapeDtypeStruct` for the first and the
+    tensor's for the second.
 
     **Returns:**
 
@@ -509,12 +521,15 @@ def load_stacked(
     - `names`: the tensor name of every array leaf, for one layer: a pytree of the structure of
         `like` (built with `eqx.tree_at`, say) whose leaves are templates such as
         `"model.layers.{i}.mlp.up_proj.weight"` or [`eqx_lean.TensorName`][]s (with a
-        transpose), or a function `(path, leaf) -> name`. Every name must contain `{i}`, the
-        layer index. A leaf named `None` is not loaded: `like` must hold its array, which is
-        returned as is.
+        transpose), or a function `(path, leaf) -> name` given each leaf's key path relative to
+        `like` (one layer's paths, such as `.mlp.weight`; see
+        [paths](../getting-started.md#paths-in-rules-and-name-functions)) and the leaf as it is
+        in `like`. Every name must contain `{i}`, the layer index. A leaf named `None` is not
+        loaded: `like` must hold its array, which is returned as is.
     - `dtype`: the dtype to store each floating leaf in: `None` keeps the dtypes of `like`; a
-        floating dtype casts every floating leaf; a callable `(path, leaf) -> dtype | None`
-        chooses per leaf, given one layer's `ShapeDtypeStruct`. Tensors are cast from whatever
+        floating dtype casts every floating leaf; a rule chooses per leaf, as for
+        [`eqx_lean.build_stacked`][] (resolved against `like`; a function is given one layer's
+        `ShapeDtypeStruct`). Tensors are cast from whatever
         floating dtype the file has; integer and boolean tensors must match exactly.
     - `sharding`: how each leaf of one layer is sharded, exactly as for
         [`eqx_lean.build_stacked`][]: `None`, one `Sharding` or `PartitionSpec`, a pytree prefix

@@ -7,7 +7,7 @@ from typing import Any
 import equinox as eqx
 import jax
 
-from .._core import KeyPath, Layout
+from .._core import PATH_CONVENTION, KeyPath, Layout, describe_raised, rule_error
 
 
 LAYER = "{i}"
@@ -79,11 +79,38 @@ def _as_name(value: Any, path: KeyPath, where: str) -> TensorName | None:
     )
 
 
-def resolve_names(names: Any, layout: Layout) -> list[TensorName | None]:
-    """One name (or None: not stored) per array leaf of `layout`."""
+# What the path a `names` function gets is relative to, in each function that takes one.
+_RELATIVE_TO = {
+    "load_stacked": "`like`, the stacked layers: one layer's paths, such as `.mlp.weight`",
+    "save_stacked": "`stacked`, the stacked layers: one layer's paths, such as `.mlp.weight`",
+    "load_tensors": "`like`, the whole model, such as `.blocks.mlp.weight`",
+    "save_tensors": "`tree`, the whole model, such as `.blocks.mlp.weight`",
+}
+
+
+def _call_names(names: Any, path: KeyPath, leaf: Any, fn: str | None) -> Any:
+    try:
+        return names(path, leaf)
+    except Exception as e:
+        where = f"The `names` function of {fn}" if fn else "The `names` function"
+        relative = f"{fn} gives it paths relative to {_RELATIVE_TO[fn]}. " if fn else ""
+        raise rule_error(
+            e,
+            f"{where} raised {describe_raised(e)} for leaf {jax.tree_util.keystr(path)} "
+            f"({leaf.dtype}{list(leaf.shape)}). {relative}A name map written for "
+            "load_stacked/save_stacked (one layer's paths) does not serve load_tensors/"
+            f"save_tensors (the whole model's paths), nor the reverse. {PATH_CONVENTION}",
+        ) from e
+
+
+def resolve_names(names: Any, layout: Layout, fn: str | None = None) -> list[TensorName | None]:
+    """One name (or None: not stored) per array leaf of `layout`.
+
+    `fn` is the public function resolving them, named in the message when `names` raises.
+    """
     if callable(names) and not isinstance(names, eqx.Module):
         return [
-            _as_name(names(path, leaf), path, "The `names` rule's result")
+            _as_name(_call_names(names, path, leaf, fn), path, "The `names` rule's result")
             for path, leaf in zip(layout.paths, layout.structs, strict=True)
         ]
     flat = dict(jax.tree_util.tree_flatten_with_path(names, is_leaf=_is_name_leaf)[0])
@@ -94,7 +121,8 @@ def resolve_names(names: Any, layout: Layout) -> list[TensorName | None]:
                 "`names` must give a name (a str, an `eqx_lean.TensorName`, or None for a leaf "
                 "that is not stored) at every array leaf of the model, in a pytree of the same "
                 f"structure (e.g. built with `eqx.tree_at`), but it has none at leaf "
-                f"{jax.tree_util.keystr(path)}. A function `(path, leaf) -> name` works too."
+                f"{jax.tree_util.keystr(path)}. A function `(path, leaf) -> name` works too. "
+                f"{PATH_CONVENTION}"
             )
         resolved.append(_as_name(flat[path], path, "`names`"))
     return resolved

@@ -46,7 +46,7 @@ def _plan_records(tree: Any, names: Any, fn: str) -> tuple[list[Any], list[_Reco
         raise TypeError(
             f"`{fn}` needs arrays to write, but the model has `jax.ShapeDtypeStruct` leaves."
         )
-    tensor_names = resolve_names(names, layout)
+    tensor_names = resolve_names(names, layout, fn)
     if fn == "save_stacked":
         require_all_stacked(layout, tensor_names, fn)
     num_layers = layer_count(layout, tensor_names)
@@ -282,7 +282,8 @@ def save_tensors(
     inverse of [`eqx_lean.load_tensors`][].
 
     **Arguments:** as for [`eqx_lean.save_stacked`][]; `tree` is the whole model, and `names`
-    may mix templates with `{i}` and plain names.
+    may mix templates with `{i}` and plain names; a `names` function is given the whole model's
+    paths (see [paths](../getting-started.md#paths-in-rules-and-name-functions)).
 
     **Returns:**
 
@@ -338,8 +339,8 @@ def save_stacked(
     - `path`: the checkpoint directory, created if needed.
     - `stacked`: the stacked model, with arrays (on any devices, sharded or not) as leaves.
     - `names`: the tensor-name template of every array leaf, as for
-        [`eqx_lean.load_stacked`][]: every name must contain `{i}`; a leaf named `None` is not
-        saved.
+        [`eqx_lean.load_stacked`][] (a function is given one layer's paths): every name must
+        contain `{i}`; a leaf named `None` is not saved.
     - `max_shard_bytes`: the largest file to write, in bytes (a single tensor bigger than this
         gets a file of its own). Hugging Face's default is 5 GB.
     - `metadata`: strings to store in every file's header, added to `{"format": "pt"}` (which

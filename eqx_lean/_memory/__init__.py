@@ -1,6 +1,7 @@
 """Memory before, while and after building: estimates, measurements and live-array reports."""
 
 from .estimates import MemoryEstimate as MemoryEstimate, estimate as estimate
+from .leaves import LeafInfo as LeafInfo, LeafReport as LeafReport, describe as describe
 from .live import (
     LiveArrayGroup as LiveArrayGroup,
     LiveArrayReport as LiveArrayReport,

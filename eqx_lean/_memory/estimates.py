@@ -15,6 +15,7 @@ from jaxtyping import PRNGKeyArray
 
 from .. import _core
 from .._core import DtypePolicy, ShardingPolicy, stacked_sharding
+from .leaves import LeafReport, leaf_report
 from .table import MiB, format_bytes, table
 
 
@@ -78,6 +79,12 @@ class MemoryEstimate:
     - `filter_jit_vmap_temp_bytes`: XLA's temporary bytes of the jitted `filter_vmap` and cast.
     - `filter_jit_vmap_peak`: the predicted peak of
         `eqx.filter_jit(lambda k: cast(eqx.filter_vmap(make_layer)(k)))(keys)`.
+    - `leaves`: every leaf's path, shape, built and stored dtypes and sharding, as
+        [`eqx_lean.memory.describe`][] reports them.
+
+    With a sharding, `build_stacked_peak` is per device, while the two `filter_vmap` peaks are
+    those of running them as written, without a sharding, on one device: the table compares each
+    peak with the final size on the same basis, and says which.
     """
 
     num_layers: int
@@ -93,6 +100,7 @@ class MemoryEstimate:
     filter_vmap_peak: int
     filter_jit_vmap_temp_bytes: int
     filter_jit_vmap_peak: int
+    leaves: LeafReport
 
     @property
     def build_stacked_overhead(self) -> int:
@@ -100,18 +108,27 @@ class MemoryEstimate:
         return self.build_stacked_peak - self.final_bytes_per_device
 
     def table(self) -> str:
-        """The estimate as an aligned text table, one row per construction method."""
-        final = self.final_bytes_per_device
+        """The estimate as an aligned text table, one row per construction method.
+
+        Each row compares a peak with the final size on the same basis: per device for
+        `build_stacked`, and, with more than one device, the whole model on one device for the
+        `filter_vmap` rows (they run unsharded), in a `basis` column.
+        """
+        sharded = self.num_devices > 1
+        per_device = (self.final_bytes_per_device, f"per device (of {self.num_devices})")
+        one_device = (self.final_bytes, "1 device, unsharded")
         rows = [
-            ("build_stacked", self.build_stacked_peak),
-            ("filter_vmap, eager", self.filter_vmap_peak),
-            ("filter_jit(filter_vmap)", self.filter_jit_vmap_peak),
+            ("build_stacked", self.build_stacked_peak, per_device),
+            ("filter_vmap, eager", self.filter_vmap_peak, one_device),
+            ("filter_jit(filter_vmap)", self.filter_jit_vmap_peak, one_device),
         ]
         body = table(
-            ("method", "predicted peak", "over final", "peak / final"),
+            ("method",) + ("basis",) * sharded + ("predicted peak", "over final", "peak / final"),
             [
-                (name, format_bytes(peak), format_bytes(peak - final), f"{peak / final:.2f}x")
-                for name, peak in rows
+                (name,)
+                + (basis,) * sharded
+                + (format_bytes(peak), format_bytes(peak - final), f"{peak / final:.2f}x")
+                for name, peak, (final, basis) in rows
             ],
         )
         devices = "" if self.num_devices == 1 else f" ({self.num_devices} devices)"
@@ -119,7 +136,7 @@ class MemoryEstimate:
             f"{self.num_layers} layers on {self.platform}{devices}: final "
             f"{format_bytes(self.final_bytes)}"
             + (
-                f" ({format_bytes(final)} per device)"
+                f" ({format_bytes(self.final_bytes_per_device)} per device)"
                 if self.final_bytes_per_device != self.final_bytes
                 else ""
             )
@@ -130,7 +147,7 @@ class MemoryEstimate:
         return f"{summary}\n{body}"
 
     def __repr__(self) -> str:
-        return f"MemoryEstimate(\n{self.table()}\n)"
+        return f"MemoryEstimate(\n{self.table()}\n(every leaf's dtypes and sharding: `.leaves`)\n)"
 
 
 def _num_devices(shardings: Sequence[Sharding | None]) -> int:
@@ -342,4 +359,5 @@ def estimate(
         filter_vmap_peak=eager_peak,
         filter_jit_vmap_temp_bytes=jitted.temp_size_in_bytes,
         filter_jit_vmap_peak=jit_peak,
+        leaves=leaf_report(plan),
     )

@@ -87,7 +87,8 @@ def _figure_class() -> Any:
     except ImportError as error:
         raise MatplotlibMissing(
             "matplotlib is not installed, so no plot was written "
-            "(`pip install 'eqx_lean[bench]'` or `pip install matplotlib` adds it)."
+            '(from the root of the eqx_lean checkout, `pip install ".[bench]"` adds it, as does '
+            "`pip install matplotlib`)."
         ) from error
     return Figure
 

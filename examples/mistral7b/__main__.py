@@ -2,7 +2,8 @@
 
 - `build --preset v0.1 --dtype bfloat16`: random-init build of the full model, with the memory
     report (peak RSS over idle versus the model's size), then a forward of 8 tokens and 4
-    greedy decode steps. `--layers N` builds a shallower model of the same width.
+    greedy decode steps. `--layers N` builds a shallower model of the same width; `--preset
+    tiny` a 2-layer, width-128 byte-level model (1.8 MiB) that runs every command in seconds.
 - `load --checkpoint DIR`: the same report for a HF checkpoint read with `load_hf`: peak
     anonymous memory (the mapped checkpoint pages are page cache), forward and decode.
 - `generate --checkpoint DIR --prompt TEXT` (needs `DIR/tokenizer.json`) or `--ids 1,2,3`.
@@ -38,7 +39,8 @@ def _status_kib(field: str) -> int:
 
 
 def _gib(kib: float) -> str:
-    return f"{kib / 2**20:.2f} GiB"
+    # MiB below 1 GiB, so that the tiny model's 1.5 MiB does not read "0.00 GiB".
+    return f"{kib / 2**20:.2f} GiB" if kib >= 2**20 else f"{kib / 1024:.1f} MiB"
 
 
 class _AnonymousPeak(threading.Thread):
@@ -126,7 +128,8 @@ def build(args: argparse.Namespace) -> None:
     config = MistralConfig.preset(args.preset)
     if args.layers:
         config = dataclasses.replace(config, num_hidden_layers=args.layers)
-    config = dataclasses.replace(config, dtype=args.dtype)
+    if args.dtype:
+        config = dataclasses.replace(config, dtype=args.dtype)
     key = jax.random.key(args.seed)
     jax.devices()
     idle = _status_kib("VmRSS")
@@ -138,7 +141,7 @@ def build(args: argparse.Namespace) -> None:
     seconds = time.perf_counter() - start
     peak = _status_kib("VmHWM") - idle
     final = _model_kib(model)
-    print(f"config: {args.preset}, {config.num_hidden_layers} layers, {args.dtype}")
+    print(f"config: {args.preset}, {config.num_hidden_layers} layers, {config.dtype}")
     print(_step_line("build", "peak RSS over idle", peak, final, seconds))
     _run_and_save(model, sampler, args.save)
 
@@ -169,7 +172,13 @@ def generate_command(args: argparse.Namespace) -> None:
     if args.ids:
         ids = [int(t) for t in args.ids.split(",")]
     elif os.path.exists(tokenizer_path):
-        from tokenizers import Tokenizer
+        try:
+            from tokenizers import Tokenizer
+        except ImportError as e:
+            raise ImportError(
+                "Reading tokenizer.json needs the `tokenizers` package: from the root of the "
+                'eqx_lean checkout, `pip install ".[mistral]"`, or `pip install tokenizers`.'
+            ) from e
 
         tokenizer = Tokenizer.from_file(tokenizer_path)
         ids = tokenizer.encode(args.prompt).ids
@@ -299,8 +308,13 @@ def main() -> None:
     commands = parser.add_subparsers(dest="command", required=True)
 
     p = commands.add_parser("build", help="random-init build with a memory report")
-    p.add_argument("--preset", default="v0.1", choices=["v0.1", "v0.3"])
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    p.add_argument("--preset", default="v0.1", choices=["v0.1", "v0.3", "tiny"])
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=["bfloat16", "float32", "float16"],
+        help="default: the preset's (bfloat16 for v0.1 and v0.3, float32 for tiny)",
+    )
     p.add_argument("--layers", type=int, default=0, help="override the number of layers")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save", default="", help="also write the model here with save_hf")

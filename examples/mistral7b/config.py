@@ -95,9 +95,25 @@ class MistralConfig:
         return cls(vocab_size=32768, rope_theta=1e6, sliding_window=None)
 
     @classmethod
+    def tiny(cls) -> "MistralConfig":
+        """A 2-layer, width-128 Mistral over bytes (vocabulary 256: no tokenizer needed), window
+        32, float32: 1.8 MiB of weights, for trying every command in seconds."""
+        return cls(
+            vocab_size=256,
+            hidden_size=128,
+            intermediate_size=384,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            sliding_window=32,
+            max_position_embeddings=256,
+            dtype="float32",
+        )
+
+    @classmethod
     def preset(cls, name: str) -> "MistralConfig":
-        """A released shape by name: `"v0.1"` or `"v0.3"`."""
-        presets = {"v0.1": cls.v0_1, "v0.3": cls.v0_3}
+        """A shape by name: `"v0.1"` or `"v0.3"` (released), or `"tiny"`."""
+        presets = {"v0.1": cls.v0_1, "v0.3": cls.v0_3, "tiny": cls.tiny}
         if name not in presets:
             raise ValueError(f"`name` must be one of {sorted(presets)}; got {name!r}.")
         return presets[name]()

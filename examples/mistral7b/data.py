@@ -39,7 +39,8 @@ class HFTokenizer:
             from tokenizers import Tokenizer as _Tokenizer
         except ImportError as e:
             raise ImportError(
-                "Reading tokenizer.json needs the `tokenizers` package: `pip install tokenizers`."
+                "Reading tokenizer.json needs the `tokenizers` package: from the root of the "
+                'eqx_lean checkout, `pip install ".[mistral]"`, or `pip install tokenizers`.'
             ) from e
         self._tokenizer = _Tokenizer.from_file(os.fspath(path))
 

@@ -98,7 +98,13 @@ def finetune(
     data: Iterator[np.ndarray] = batches(rows, settings.batch_size, seed=settings.seed)
     steps: Any = range(settings.steps)
     if progress:
-        from tqdm import tqdm
+        try:
+            from tqdm import tqdm
+        except ImportError as e:
+            raise ImportError(
+                "The progress bar needs tqdm: from the root of the eqx_lean checkout, "
+                '`pip install ".[mistral]"`, or `pip install tqdm`.'
+            ) from e
 
         steps = tqdm(steps, desc="finetune", unit="step")
     losses, seconds = [], []

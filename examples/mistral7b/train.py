@@ -74,7 +74,9 @@ def _import_optax() -> Any:
         import optax
     except ImportError as e:
         raise ImportError(
-            "Training needs optax: `pip install optax` (or `pip install eqx_lean[train]`)."
+            "Training needs optax: from the root of the eqx_lean checkout, "
+            '`pip install ".[train]"` (or `pip install ".[mistral]"` for the whole example), or '
+            "`pip install optax`."
         ) from e
     return optax
 
@@ -117,18 +119,9 @@ class TrainSettings:
 
 
 def small_config() -> MistralConfig:
-    """A 2-layer, width-128 Mistral over bytes (vocab 256), window 32, float32."""
-    return MistralConfig(
-        vocab_size=256,
-        hidden_size=128,
-        intermediate_size=384,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        sliding_window=32,
-        max_position_embeddings=256,
-        dtype="float32",
-    )
+    """A 2-layer, width-128 Mistral over bytes (vocab 256), window 32, float32:
+    `MistralConfig.tiny()`, the `--preset tiny` of the command line."""
+    return MistralConfig.tiny()
 
 
 def held_out_loss(model: Mistral, data: np.ndarray, seq_len: int) -> float:
