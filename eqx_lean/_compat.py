@@ -115,6 +115,31 @@ def lower_with_overrides(
 # vmaps both functions.
 
 
+def _one_example(x: Any, batched: bool) -> jax.ShapeDtypeStruct:
+    """`x`'s shape, dtype and (explicit) sharding, without its leading batch axis if `batched`."""
+    aval = jax.typeof(x)
+    sharding: Any = getattr(aval, "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or mesh.empty:
+        sharding = None
+    elif batched:
+        spec = tuple(sharding.spec) + (None,) * (aval.ndim - len(sharding.spec))
+        sharding = sharding.update(spec=jax.sharding.PartitionSpec(*spec[1:]))
+    shape = aval.shape[1:] if batched else aval.shape
+    return jax.ShapeDtypeStruct(shape, aval.dtype, sharding=sharding)
+
+
+def _mesh_of_operands(operands: Sequence[Any]) -> Any:
+    """A context setting the abstract mesh the operands' shardings name, if none is set."""
+    if not jax.sharding.get_abstract_mesh().empty:
+        return contextlib.nullcontext()
+    for x in operands:
+        mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+        if mesh is not None and not mesh.empty:
+            return jax.sharding.use_abstract_mesh(mesh)
+    return contextlib.nullcontext()
+
+
 @functools.cache
 def _custom_transpose_primitive() -> Any | None:
     """The `eqx_lean_linear_call` primitive, defined on first use; `None` if JAX lacks the API."""
@@ -176,6 +201,29 @@ def _custom_transpose_primitive() -> Any | None:
         if all(d is None for d in dims):  # JAX calls the rule for unbatched operands too
             out = bind(args, **params)
             return out, [None] * len(out)
+        fallback = params["unbatched_fallback"]
+        if fallback is not None and any(d is None for d in dims[num_res:]):
+            # A linear input the batch does not reach (a stack that the vmapped function closes
+            # over): batching the custom transpose would give one cotangent of it per example,
+            # summed only afterwards. JAX's own derivative of `fallback` sums as it goes.
+            # Unbatched operands are closed over, not passed with `in_axes=None`: with Explicit
+            # mesh axes, vmap refuses unmapped arguments sharded over the axis it maps.
+            batched = [a for a, d in zip(args, dims, strict=True) if d is not None]
+
+            def of_batched(*values: Any) -> Any:
+                supply = iter(values)
+                full = [a if d is None else next(supply) for a, d in zip(args, dims, strict=True)]
+                return fallback(*full)
+
+            vmapped = jax.vmap(
+                of_batched,
+                in_axes=tuple(d for d in dims if d is not None),
+                axis_name=axis_data.name,
+                axis_size=size,
+                spmd_axis_name=axis_data.spmd_name,
+            )
+            out = list(vmapped(*batched))
+            return out, [0] * len(out)
         args = [
             a if d is None else jax.numpy.moveaxis(a, d, 0) for a, d in zip(args, dims, strict=True)
         ]
@@ -190,15 +238,18 @@ def _custom_transpose_primitive() -> Any | None:
         # leave an output unbatched): a `custom_jvp` gives the primal output the tangent's
         # batching, so a needlessly batched tangent would batch a primal that is not.
         per_example = [
-            jax.ShapeDtypeStruct(jax.numpy.shape(a)[1:] if b else jax.numpy.shape(a), a.dtype)
+            _one_example(a, b)
             for a, b in zip(
                 [*args[:num_res], *lin], [*res_batched, *([True] * len(lin))], strict=True
             )
         ]
-        closed = jax.make_jaxpr(params["fun"])(*per_example)
-        _, out_batched = batching_internals.batch_jaxpr(
-            closed, axis_data, (*res_batched, *([True] * len(lin))), False
-        )
+        # Traced and batched under the operands' mesh: with Explicit axes, avals carry
+        # shardings on it, and batching them outside that context fails.
+        with _mesh_of_operands(args):
+            closed = jax.make_jaxpr(params["fun"])(*per_example)
+            _, out_batched = batching_internals.batch_jaxpr(
+                closed, axis_data, (*res_batched, *([True] * len(lin))), False
+            )
         out_axes = [0 if b else None for b in out_batched]
         vmap = functools.partial(
             jax.vmap,
@@ -219,6 +270,7 @@ def _custom_transpose_primitive() -> Any | None:
             transpose=transpose,
             num_res=num_res,
             out_avals=out_avals,
+            unbatched_fallback=None,
         )
         return out, out_axes
 
@@ -242,6 +294,7 @@ def linear_call_with_transpose(
     residuals: Sequence[Any],
     linear: Sequence[Any],
     out_like: Sequence[Any],
+    unbatched_fallback: Callable[..., Sequence[Any]] | None = None,
 ) -> list[Any]:
     """Returns `fun(*residuals, *linear)`, a linear function of `linear` whose transpose is
     `transpose(*residuals, *cotangents)`.
@@ -265,6 +318,9 @@ def linear_call_with_transpose(
     - `linear`: arrays of an inexact dtype.
     - `out_like`: one array (or tracer) per output of `fun` with that output's shape, dtype
         and (explicit) sharding, e.g. the primal value whose tangent the output is.
+    - `unbatched_fallback`: optionally, `fun` again in a form whose transpose JAX derives well
+        (`fallback(*residuals, *linear)`); under `vmap` with a linear input that is not batched
+        it is called instead, and differentiated by JAX.
 
     **Returns:**
 
@@ -281,4 +337,5 @@ def linear_call_with_transpose(
         transpose=transpose,
         num_res=len(residuals),
         out_avals=out_avals,
+        unbatched_fallback=unbatched_fallback,
     )

@@ -264,7 +264,14 @@ def _scan(
                 remat,  # pyright: ignore[reportArgumentType, reportCallIssue]
             )
         return differentiated_by_index(
-            step_with, primal, (consts, dynamic, carry, xs), num_layers, policy, group_size, unroll
+            step_with,
+            primal,
+            differentiable,
+            (consts, dynamic, carry, xs),
+            num_layers,
+            policy,
+            group_size,
+            unroll,
         )
 
     # The public fallback: JAX differentiates a scan over the stack as `xs`, whose backward pass

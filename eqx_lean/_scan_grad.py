@@ -400,6 +400,7 @@ def _nested_backward(
 def differentiated_by_index(
     step: Step,
     primal: Callable[..., tuple[Any, Any]],
+    differentiable: Callable[..., tuple[Any, Any]],
     args: tuple[list[Array], Any, Any, Any],
     num_layers: int,
     policy: LayerPolicy,
@@ -413,6 +414,10 @@ def differentiated_by_index(
     - `step`: the closure-converted per-layer step, `(consts, layer, carry, x) -> (carry, y)`.
     - `primal`: the forward-only loop, `(consts, stack, carry, xs) -> (carry, ys)`; forward
         mode differentiates it as plain JAX.
+    - `differentiable`: the same function as a `lax.scan` over the stack, whose derivatives JAX
+        derives itself: used under `vmap` when some differentiated input is not batched (a
+        stack the vmapped function closes over), where the loops here would build one
+        gradient of the whole stack per example.
     - `args`: `(consts, stack, carry, xs)`, the stack holding only the stacked arrays.
     - `num_layers`: `L`.
     - `policy`: per layer, `SAVE_ALL` (no checkpoint) or a `jax.checkpoint_policies` policy
@@ -478,6 +483,17 @@ def differentiated_by_index(
 
             return jax.jvp(of_live, _select(primals, live), lin_tangents)[1]
 
+        def tangent_by_jax(*flat: Array) -> list[Array]:
+            """`tangent`, through `differentiable`: JAX transposes it itself."""
+            primals, _, lin_tangents = _split(flat, [num_primals, len(residuals)])
+
+            def of_live(*live_values: Array) -> list[Array]:
+                values = _merge(live, live_values, _select(primals, live, keep=False))
+                out = jax.tree.leaves(differentiable(*treedef.unflatten(values)))
+                return _select(out, out_inexact)
+
+            return jax.jvp(of_live, _select(primals, live), lin_tangents)[1]
+
         def transpose(*flat: Array) -> list[Array]:
             """Reverse mode: the backward loop, from the cotangents of the inexact outputs."""
             primals, res, cts_out = _split(flat, [num_primals, len(residuals)])
@@ -506,6 +522,7 @@ def differentiated_by_index(
                 [*leaves, *residuals],
                 lin_tangents,
                 _select(out_leaves, out_inexact),
+                unbatched_fallback=tangent_by_jax,
             )
         else:  # only integer leaves had (float0) tangents
             tangents_out = [jnp.zeros_like(o) for o in _select(out_leaves, out_inexact)]

@@ -945,3 +945,35 @@ def test_error_bad_options(mlp, getkey):
         eqx_lean.fold(stacked, x, (), dict(key=getkey()), key=getkey())
     with pytest.raises(ValueError, match=r"`stacked` has no array leaves"):
         eqx_lean.fold(eqx.nn.Lambda(jnp.tanh), x)
+
+
+@pytest.mark.parametrize("remat", [None, True])
+def test_gradient_through_a_vmapped_fold_matches_the_loop(mlp, remat):
+    """`jax.vmap(lambda x: fold(stacked, x))` inside a gradient: the stack, closed over, is not
+    batched; its gradient must be the sum over the batch, with no more memory than JAX's own
+    derivative of a scan over the stack needs (the path before the index-reading backward)."""
+    stacked, x, _ = mlp
+    batch = jnp.stack([x, 2 * x, -x])
+
+    def vmapped(stacked, batch):
+        return jax.vmap(lambda x: eqx_lean.fold(stacked, x, remat=remat))(batch)
+
+    def looped(stacked, batch):
+        return jax.vmap(lambda x: loop_fold(stacked, x))(batch)
+
+    assert_close(
+        value_and_grads_of(vmapped, stacked, batch), value_and_grads_of(looped, stacked, batch)
+    )
+
+    params, static = eqx.partition(stacked, eqx.is_array)
+
+    def temps(loss):
+        grad = jax.jit(jax.grad(lambda p, b: jnp.sum(loss(eqx.combine(p, static), b))))
+        analysis = grad.lower(params, batch).compile().memory_analysis()
+        assert analysis is not None
+        return analysis.temp_size_in_bytes
+
+    with_index_loops = temps(vmapped)
+    with _compat.without_private_jax():
+        jax_s_own = temps(vmapped)
+    assert with_index_loops <= jax_s_own
