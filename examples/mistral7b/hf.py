@@ -22,7 +22,6 @@ from .model import (
     RMSNorm,
     _linear_from_weight,
     _resolve_dtype,
-    init,
     make_block,
 )
 
@@ -169,8 +168,33 @@ def _hf_name(path: Any, leaf: Any) -> str:
 
 
 def abstract_model(config: MistralConfig, dtype: Any = None) -> Mistral:
-    """The model's structure with `jax.ShapeDtypeStruct` leaves: nothing is allocated."""
-    return eqx.filter_eval_shape(init, config, key=jax.random.key(0), dtype=dtype)
+    """The model's structure with `jax.ShapeDtypeStruct` leaves: nothing is allocated.
+
+    The same structure as `eqx.filter_eval_shape(init, config, ...)`, traced without
+    `build_stacked`'s machinery (one block under `filter_vmap`), and without running anything.
+    """
+    dtype = _resolve_dtype(config, dtype)
+
+    def cast(x: Any) -> Any:
+        return x.astype(dtype) if eqx.is_inexact_array(x) else x
+
+    def block(key: Any) -> DecoderBlock:
+        return make_block(config, key=key)
+
+    def build() -> Mistral:
+        # Inside the trace: creating the key runs nothing.
+        keys = jax.random.split(jax.random.key(0), config.num_hidden_layers)
+        layers = eqx.filter_vmap(block)(keys)
+        matrix = jnp.zeros((config.vocab_size, config.hidden_size), dtype)
+        return Mistral(
+            embed_tokens=eqx.nn.Embedding(weight=matrix),
+            layers=jax.tree.map(cast, layers),
+            norm=RMSNorm(jnp.ones((config.hidden_size,), dtype), config.rms_norm_eps),
+            lm_head=_linear_from_weight(matrix),
+            config=config,
+        )
+
+    return eqx.filter_eval_shape(build)
 
 
 def load_hf(path: str | os.PathLike, *, dtype: Any = None, sharding: Any = None) -> Mistral:

@@ -1,0 +1,555 @@
+"""Host data written into preallocated, possibly sharded buffers, in bounded pieces.
+
+The loaders' engine. Buffers are allocated once (`allocate`), then filled in one of two ways:
+
+- on CPU (`Tricks.host_writes`), device memory is host memory: each shard of each layer is
+  copied with NumPy straight from the file's memory map into the buffer's memory, casting on
+  the way. Nothing is compiled and nothing is staged.
+- elsewhere, by compiled writes that donate the buffers: each call writes a few rows of every
+  buffer of a group (of one layer, for stacked buffers), so a call's values never exceed
+  `max_chunk_bytes` (plus one row of each buffer), whatever the size of the largest tensor.
+  One program is compiled per group of buffers that share a kind (stacked or not) and a mesh,
+  not per buffer, nor per device: on a mesh the write is a `shard_map` in which every device
+  writes its own chunk at the same local offsets, so one compiled program serves every device.
+"""
+
+import concurrent.futures
+import math
+import os
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec, Sharding
+from jaxtyping import Array
+
+from .. import _platform
+from .policy import is_floating
+from .writes import WriteCache, allocate, as_bits, delete_arrays
+
+
+ALIGN = 64  # XLA:CPU uses a contiguous host array aligned to this in place, without a copy
+
+
+class Target(NamedTuple):
+    """One buffer to fill from host data.
+
+    **Attributes:**
+
+    - `struct`: the buffer's full shape and dtype (a stacked buffer has the layer axis first).
+    - `sharding`: its full sharding (`None`: the default device, uncommitted).
+    - `stacked`: whether the leading axis is the layer axis, filled one layer at a time.
+    - `source_dtype`: the dtype of the host values, cast to `struct.dtype` by the write.
+    """
+
+    struct: jax.ShapeDtypeStruct
+    sharding: Sharding | None
+    stacked: bool
+    source_dtype: np.dtype
+
+
+# `read(target, layer, index)`: the host values of `target` at `index` (in the target's axis
+# order; for a stacked target, an index into one layer, whose global index is `layer`).
+Reader = Callable[[int, int | None, tuple[slice, ...]], np.ndarray]
+# `release(targets, layer)`: the reader will not be asked for that layer of those targets again.
+Releaser = Callable[[Sequence[int], int | None], None]
+
+
+def bounded(index: Any, shape: tuple[int, ...]) -> tuple[slice, ...]:
+    """`index` (a tuple of slices, possibly short or open) with explicit bounds on every axis."""
+    index = tuple(index or ()) + (slice(None),) * (len(shape) - len(index or ()))
+    return tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape, strict=True))
+
+
+class _Part(NamedTuple):
+    """One target inside a group, as its compiled write sees it."""
+
+    target: int
+    stacked: bool
+    regions: tuple[tuple[Any, tuple[slice, ...]], ...]  # (device, its shard of the buffer)
+    local: tuple[int, ...]  # every device's shard shape
+    rows: int  # rows written per call along `row_axis` (0: no row axis, the whole shard)
+    value: jax.ShapeDtypeStruct  # the global value of one call, with its sharding
+
+    @property
+    def row_axis(self) -> int:
+        return 1 if self.stacked else 0
+
+    def staged_bytes(self) -> int:
+        """The most host bytes one call stages for this part (alignment padding included)."""
+        distinct = _distinct(self.regions)
+        itemsize = np.dtype(self.value.dtype).itemsize
+        per_shard = (
+            math.prod(self.value.sharding.shard_shape(self.value.shape))
+            if isinstance(self.value.sharding, NamedSharding)
+            else math.prod(self.value.shape)
+        )
+        return distinct * (per_shard * itemsize + ALIGN)
+
+
+class _Group(NamedTuple):
+    stacked: bool
+    mesh: Any  # a `Mesh` for named shardings, else None
+    parts: tuple[_Part, ...]
+    calls: int  # calls per (local) layer
+    buffers: tuple[jax.ShapeDtypeStruct, ...]  # with their shardings, for lowering
+    host: bool  # filled by host writes (CPU), not by a compiled write
+
+    @property
+    def local_layers(self) -> int:
+        return self.parts[0].local[0] if self.stacked else 1
+
+
+def _regions(target: Target) -> tuple[tuple[Any, tuple[slice, ...]], ...]:
+    shape = target.struct.shape
+    if target.sharding is None:
+        return ((None, bounded((), shape)),)
+    indices = target.sharding.addressable_devices_indices_map(shape)
+    return tuple((device, bounded(index, shape)) for device, index in indices.items())
+
+
+def _distinct(regions: Sequence[tuple[Any, tuple[slice, ...]]]) -> int:
+    """How many distinct shards there are (replicas hold the same one)."""
+    return len({tuple((s.start, s.stop) for s in region) for _, region in regions})
+
+
+def _local_shape(target: Target) -> tuple[int, ...]:
+    if target.sharding is None:
+        return tuple(target.struct.shape)
+    return tuple(target.sharding.shard_shape(target.struct.shape))
+
+
+def _group_key(target: Target) -> tuple[Any, ...]:
+    if isinstance(target.sharding, NamedSharding):
+        return (target.stacked, "mesh", target.sharding.mesh)
+    return (target.stacked, "sharding", target.sharding)
+
+
+def _value_struct(target: Target, local_value: tuple[int, ...]) -> jax.ShapeDtypeStruct:
+    """The global array holding every device's chunk: the buffer's sharding, smaller shape."""
+    sharding = target.sharding
+    if not isinstance(sharding, NamedSharding):
+        return jax.ShapeDtypeStruct(local_value, target.source_dtype, sharding=sharding)
+    local = _local_shape(target)
+    shape = tuple(
+        v * (n // m) if m else v
+        for v, n, m in zip(local_value, target.struct.shape, local, strict=True)
+    )
+    return jax.ShapeDtypeStruct(shape, target.source_dtype, sharding=sharding)
+
+
+def _plan_group(
+    targets: Sequence[Target], members: Sequence[int], max_chunk_bytes: int, host_writes: bool
+) -> _Group:
+    first = targets[members[0]]
+    stacked = first.stacked
+    row_axis = 1 if stacked else 0
+    # Bytes per row (every distinct shard: replicas read the same host data once).
+    row_bytes, row_counts = [], []
+    for j in members:
+        local = _local_shape(targets[j])
+        distinct = _distinct(_regions(targets[j]))
+        has_rows = len(local) > row_axis
+        rows = local[row_axis] if has_rows else 1
+        rest = math.prod(local[row_axis + 1 :]) if has_rows else 1
+        row_bytes.append(rest * np.dtype(targets[j].source_dtype).itemsize * distinct)
+        row_counts.append(rows if has_rows else 0)
+    total = sum(b * max(n, 1) for b, n in zip(row_bytes, row_counts, strict=True))
+    calls = max(1, math.ceil(total / max(1, max_chunk_bytes)))
+    calls = min(calls, max(row_counts) or 1)  # no more calls than the longest part has rows
+    parts = []
+    for j, count in zip(members, row_counts, strict=True):
+        target = targets[j]
+        local = _local_shape(target)
+        rows = math.ceil(count / calls) if count else 0
+        value_local = list(local)
+        if stacked:
+            value_local[0] = 1
+        if count:
+            value_local[row_axis] = rows
+        value = _value_struct(target, tuple(value_local))
+        parts.append(_Part(j, stacked, _regions(target), local, rows, value))
+    buffers = tuple(
+        jax.ShapeDtypeStruct(
+            targets[j].struct.shape, targets[j].struct.dtype, sharding=targets[j].sharding
+        )
+        for j in members
+    )
+    mesh = first.sharding.mesh if isinstance(first.sharding, NamedSharding) else None
+    host = _on_host(first, host_writes)
+    return _Group(stacked, mesh, tuple(parts), calls, buffers, host)
+
+
+def plan_chunks(
+    targets: Sequence[Target], max_chunk_bytes: int, host_writes: bool = True
+) -> list[_Group]:
+    """Groups the targets by kind and mesh, and sizes each group's chunks.
+
+    **Arguments:**
+
+    - `targets`: the buffers to fill.
+    - `max_chunk_bytes`: the host bytes (in the source dtype) one call may write, over every
+        buffer of its group and every distinct shard; a call writes at least one row of each.
+    - `host_writes`: whether groups on a platform with `Tricks.host_writes` (CPU) are written
+        in place with NumPy; `False` compiles writes for every group (for tests).
+
+    **Returns:**
+
+    The groups, each to be filled by one compiled program.
+    """
+    by_key: dict[Any, list[int]] = {}
+    for j, target in enumerate(targets):
+        if math.prod(target.struct.shape) == 0:
+            continue  # nothing to write: the zeros it is allocated with are its value
+        by_key.setdefault(_group_key(target), []).append(j)
+    return [
+        _plan_group(targets, members, max_chunk_bytes, host_writes) for members in by_key.values()
+    ]
+
+
+# --- allocation -------------------------------------------------------------------------------
+
+
+def _on_host(target: Target, host_writes: bool) -> bool:
+    platform = _platform.platform_of([target.sharding])
+    return host_writes and _platform.Tricks.for_platform(platform).host_writes
+
+
+def _host_zeros(target: Target) -> Array:
+    """A zero buffer copied from `np.zeros` (untouched pages): nothing is compiled."""
+    dtype = np.dtype(target.struct.dtype)
+    if target.sharding is None:
+        return jax.device_put(np.zeros(target.struct.shape, dtype), may_alias=False)
+    shape = tuple(target.sharding.shard_shape(target.struct.shape))
+    devices = target.sharding.addressable_devices_indices_map(target.struct.shape)
+    shards = [jax.device_put(np.zeros(shape, dtype), d, may_alias=False) for d in devices]
+    return jax.make_array_from_single_device_arrays(target.struct.shape, target.sharding, shards)
+
+
+def allocate_targets(targets: Sequence[Target], host_writes: bool = True) -> list[Array]:
+    """Zero-filled buffers for `targets`, each with its (full) sharding.
+
+    Where host writes apply (CPU), each buffer is copied from `np.zeros`, which compiles
+    nothing; elsewhere one computation per placement (a mesh, a sharding, the default device)
+    creates them, each device allocating only its shards.
+    """
+    buffers: list[Any] = [None] * len(targets)
+    by_placement: dict[Any, list[int]] = {}
+    for j, target in enumerate(targets):
+        if _on_host(target, host_writes):
+            buffers[j] = _host_zeros(target)
+        else:
+            sharding = target.sharding
+            key = sharding.mesh if isinstance(sharding, NamedSharding) else sharding
+            by_placement.setdefault(key, []).append(j)
+    for members in by_placement.values():
+        made = allocate(
+            tuple(targets[j].struct for j in members),
+            tuple(targets[j].sharding for j in members),
+        )
+        for j, buffer in zip(members, made, strict=True):
+            buffers[j] = buffer
+    return buffers
+
+
+# --- the compiled write -----------------------------------------------------------------------
+
+
+def _update(buffer: Array, value: Array, index: tuple[Any, ...], bit_writes: bool) -> Array:
+    value = value.astype(buffer.dtype)
+    if not (bit_writes and is_floating(buffer.dtype)):
+        return lax.dynamic_update_slice(buffer, value, index)
+    updated = lax.dynamic_update_slice(as_bits(buffer), as_bits(value), index)
+    return lax.bitcast_convert_type(updated, buffer.dtype)
+
+
+def _write_fn(stacked: bool, bit_writes: bool) -> Callable[..., tuple[Array, ...]]:
+    def write_chunks(buffers: tuple[Array, ...], values: tuple[Array, ...], offsets: Array):
+        # offsets = [layer, start of part 0, start of part 1, ...], in local coordinates.
+        updated = []
+        for k, (buffer, value) in enumerate(zip(buffers, values, strict=True)):
+            index = [offsets[0]] if stacked else []
+            if buffer.ndim > len(index):
+                index.append(offsets[k + 1])
+            index += [jnp.int32(0)] * (buffer.ndim - len(index))
+            updated.append(_update(buffer, value, tuple(index), bit_writes))
+        return tuple(updated)
+
+    return write_chunks
+
+
+_COMPILED = WriteCache(max_entries=32)
+
+
+def _tricks(group: _Group) -> _platform.Tricks:
+    return _platform.Tricks.for_platform(_platform.platform_of([b.sharding for b in group.buffers]))
+
+
+def _offsets_struct(group: _Group) -> jax.ShapeDtypeStruct:
+    sharding = None if group.mesh is None else NamedSharding(group.mesh, PartitionSpec())
+    if group.mesh is None and group.buffers[0].sharding is not None:
+        sharding = group.buffers[0].sharding
+    return jax.ShapeDtypeStruct((1 + len(group.parts),), jnp.int32, sharding=sharding)
+
+
+def lower_chunk_write(group: _Group) -> jax.stages.Lowered:
+    """The group's write, lowered (for inspection: `memory_analysis()` of its compilation)."""
+    tricks = _tricks(group)
+    write = _write_fn(group.stacked, tricks.bit_writes)
+    if group.mesh is not None:
+        specs = tuple(b.sharding.spec for b in group.buffers)
+        write = jax.shard_map(
+            write,
+            mesh=group.mesh,
+            in_specs=(specs, specs, PartitionSpec()),
+            out_specs=specs,
+        )
+    values = tuple(p.value for p in group.parts)
+    # The buffers keep exactly the shardings they were allocated with.
+    out_shardings = tuple(b.sharding for b in group.buffers)
+    jitted = jax.jit(write, donate_argnums=0, out_shardings=out_shardings)
+    return jitted.lower(group.buffers, values, _offsets_struct(group))
+
+
+def _compile_key(group: _Group) -> Any:
+    def struct_key(s: jax.ShapeDtypeStruct) -> Any:
+        return (s.shape, str(s.dtype), s.sharding)
+
+    return (
+        group.stacked,
+        group.mesh,
+        tuple(struct_key(b) for b in group.buffers),
+        tuple(struct_key(p.value) for p in group.parts),
+        _tricks(group),
+    )
+
+
+def _compile(group: _Group) -> jax.stages.Compiled:
+    key = _compile_key(group)
+    program = _COMPILED.get(key)
+    if program is None:
+        program = lower_chunk_write(group).compile()
+        _COMPILED.put(key, program)
+        _platform.release_freed_host_memory(_tricks(group))
+    return program
+
+
+def compile_chunk_writes(groups: Sequence[_Group]) -> list[jax.stages.Compiled | None]:
+    """Each group's compiled write (None for host writes), reused from earlier loads.
+
+    Call it before allocating the buffers: the compiler's transient memory then never adds to
+    the loaded model's.
+    """
+    return [None if group.host else _compile(group) for group in groups]
+
+
+# --- staging host values and filling ----------------------------------------------------------
+
+
+class _Staging:
+    """Reusable, aligned host memory that non-contiguous or unaligned chunks are copied into.
+
+    Two slots alternate: a call's values are staged in one while the previous call, reading
+    the other, runs. A slot is allocated on first use, at the size `reserve` asked for.
+    """
+
+    def __init__(self) -> None:
+        self._slots: list[np.ndarray | None] = [None, None]
+        self._used = [0, 0]
+        self._size = 0
+
+    def reserve(self, nbytes: int) -> None:
+        """Every call from now on stages at most `nbytes` (alignment padding included)."""
+        self._size = nbytes
+
+    def reset(self, slot: int) -> None:
+        self._used[slot] = 0
+
+    def place(self, slot: int, host: np.ndarray, platform: str) -> np.ndarray:
+        aligned = host.ctypes.data % ALIGN == 0 or platform != "cpu"
+        if host.flags.c_contiguous and aligned:
+            return host  # used in place (on CPU, straight from the page cache)
+        start = self._used[slot]
+        stop = start + host.nbytes
+        memory = self._slots[slot]
+        if memory is None or memory.nbytes < max(stop, self._size) + ALIGN:
+            if start:  # cannot move what is staged already (a plan too small: not expected)
+                return _aligned_copy(host)
+            self._slots[slot] = None
+            memory = self._slots[slot] = np.empty(max(stop, self._size) + ALIGN, np.uint8)
+        offset = -memory.ctypes.data % ALIGN
+        staged = memory[offset + start : offset + stop].view(host.dtype).reshape(host.shape)
+        np.copyto(staged, host)
+        self._used[slot] = stop + (-stop % ALIGN)
+        return staged
+
+
+def _aligned_copy(value: np.ndarray) -> np.ndarray:
+    raw = np.empty(value.nbytes + ALIGN, np.uint8)
+    start = -raw.ctypes.data % ALIGN
+    aligned = raw[start : start + value.nbytes].view(value.dtype).reshape(value.shape)
+    np.copyto(aligned, value)
+    return aligned
+
+
+def _call_offsets(group: _Group, local_layer: int, call: int) -> np.ndarray:
+    offsets = [local_layer]
+    for part in group.parts:
+        if not part.rows:
+            offsets.append(0)
+            continue
+        count = part.local[part.row_axis]
+        # The last call of a shorter part writes its last rows again (the same values).
+        offsets.append(min(call * part.rows, count - part.rows))
+    return np.asarray(offsets, np.int32)
+
+
+def _values(
+    group: _Group,
+    offsets: np.ndarray,
+    local_layer: int,
+    read: Reader,
+    staging: _Staging,
+    slot: int,
+) -> tuple[tuple[Array, ...], set[int | None]]:
+    """One call's values, every device's chunk placed on its device; and the layers read."""
+    staging.reset(slot)
+    values, layers = [], set()
+    for k, part in enumerate(group.parts):
+        platform = _platform.platform_of([part.value.sharding])
+        staged: dict[Any, np.ndarray] = {}  # one host copy per distinct shard (replicas share)
+        pieces = []
+        for device, region in part.regions:
+            layer = region[0].start + local_layer if part.stacked else None
+            within = list(region[1:] if part.stacked else region)
+            if part.rows:
+                start = within[0].start + int(offsets[k + 1])
+                within[0] = slice(start, start + part.rows)
+            key = (layer, *((s.start, s.stop) for s in within))
+            if key not in staged:
+                host = read(part.target, layer, tuple(within))
+                staged[key] = staging.place(slot, host[None] if part.stacked else host, platform)
+                layers.add(layer)
+            pieces.append((device, staged[key]))
+        if group.mesh is None:
+            # One device, or a fully replicated sharding: the one host chunk, everywhere.
+            values.append(jax.device_put(pieces[0][1], part.value.sharding))
+        else:
+            arrays = [jax.device_put(host, device) for device, host in pieces]
+            values.append(
+                jax.make_array_from_single_device_arrays(
+                    part.value.shape, part.value.sharding, arrays
+                )
+            )
+    return tuple(values), layers
+
+
+def _host_views(buffer: Array) -> list[tuple[np.ndarray, tuple[slice, ...]]] | None:
+    """A writable view of each addressable shard's memory, with the shard's region."""
+    views = []
+    for shard in buffer.addressable_shards:
+        view = _platform.host_view(shard.data)
+        if view is None:
+            return None
+        views.append((view, bounded(shard.index, buffer.shape)))
+    return views
+
+
+def _copy(task: tuple[np.ndarray, int, int | None, tuple[slice, ...]], read: Reader) -> None:
+    destination, target, layer, index = task
+    np.copyto(destination, read(target, layer, index), casting="unsafe")
+
+
+def _fill_host(
+    group: _Group,
+    views: Sequence[list[tuple[np.ndarray, tuple[slice, ...]]]],
+    read: Reader,
+    release: Releaser,
+    pool: concurrent.futures.Executor,
+) -> None:
+    """Copies every shard of every layer straight into the buffers' memory (CPU only)."""
+    members = [p.target for p in group.parts]
+    for local_layer in range(group.local_layers):
+        tasks, layers = [], set()
+        for part, shards in zip(group.parts, views, strict=True):
+            for view, region in shards:
+                if group.stacked:
+                    layer = region[0].start + local_layer
+                    tasks.append((view[local_layer, ...], part.target, layer, region[1:]))
+                    layers.add(layer)
+                else:
+                    tasks.append((view, part.target, None, region))
+                    layers.add(None)
+        for done in pool.map(lambda task: _copy(task, read), tasks):
+            del done
+        for layer in sorted(layers, key=lambda x: -1 if x is None else x):
+            release(members, layer)
+
+
+def _fill_compiled(
+    group: _Group,
+    write: jax.stages.Compiled,
+    buffers: list[Array],
+    read: Reader,
+    release: Releaser,
+    staging: "_Staging",
+) -> None:
+    """Fills one group by calls of its compiled write, each a few rows of every buffer."""
+    members = [p.target for p in group.parts]
+    tricks = _tricks(group)
+    staging.reserve(sum(p.staged_bytes() for p in group.parts))
+    previous: tuple[Array, ...] = ()
+    step = 0
+    for local_layer in range(group.local_layers):
+        read_layers: set[int | None] = set()
+        for call in range(group.calls):
+            offsets = _call_offsets(group, local_layer, call)
+            # Staged in the slot of the call before the previous one, which is done.
+            values, layers = _values(group, offsets, local_layer, read, staging, step % 2)
+            read_layers |= layers
+            current = tuple(buffers[j] for j in members)
+            jax.block_until_ready(current)  # the previous call is done
+            delete_arrays(previous)
+            for j, buffer in zip(members, write(current, values, offsets), strict=True):
+                buffers[j] = buffer
+            previous, step = values, step + 1
+        jax.block_until_ready([buffers[j] for j in members])
+        for layer in sorted(read_layers, key=lambda x: -1 if x is None else x):
+            release(members, layer)
+        _platform.release_freed_host_memory(tricks)
+    delete_arrays(previous)
+
+
+def fill_chunks(
+    groups: Sequence[_Group],
+    compiled: Sequence[jax.stages.Compiled | None],
+    buffers: list[Array],
+    read: Reader,
+    release: Releaser,
+) -> None:
+    """Fills `buffers` (indexed like the targets, freshly allocated and owned by the caller)
+    from `read`, group by group, layer by layer. On failure the buffers are deleted.
+
+    Compiled writes stage a call's values (read, and copied where they must be) while the
+    previous call runs, so at most two calls' values are alive at once.
+    """
+    staging = _Staging()
+    workers = max(1, min(4, os.cpu_count() or 1))
+    try:
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            for group, write in zip(groups, compiled, strict=True):
+                views = None
+                if group.host:
+                    jax.block_until_ready([buffers[p.target] for p in group.parts])
+                    views = [_host_views(buffers[p.target]) for p in group.parts]
+                if views is not None and all(v is not None for v in views):
+                    _fill_host(group, views, read, release, pool)  # pyright: ignore
+                    continue
+                write = _compile(group) if write is None else write
+                _fill_compiled(group, write, buffers, read, release, staging)
+    except BaseException:
+        delete_arrays(buffers)
+        raise
