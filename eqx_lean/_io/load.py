@@ -189,7 +189,7 @@ def _plan_leaves(
 def _host_slice(stored: np.ndarray, name: TensorName, index: tuple[slice, ...]) -> np.ndarray:
     """The part `index` (in the leaf's axis order) of a stored tensor, as a view when possible."""
     view = stored if name.transpose is None else stored.transpose(name.transpose)
-    return view[index]
+    return view[(*index, ...)]  # the Ellipsis keeps a scalar a (0-d) view
 
 
 class _Reader:
@@ -274,6 +274,37 @@ def _load(
     if strict:
         check_unmapped(leaves, checkpoint, selected, whole_model=fn == "load_tensors")
     return layout.combine(_load_into(leaves, checkpoint, selected))
+
+
+def checkpoint_tensors(
+    path: str | os.PathLike | Sequence[str | os.PathLike],
+) -> dict[str, jax.ShapeDtypeStruct]:
+    """The tensors a checkpoint holds, read from its headers only: nothing is loaded.
+
+    Every header is checked as [`eqx_lean.load_tensors`][] checks it (a bad file is an error
+    naming it), so this is the way to compare a checkpoint with a configuration before loading
+    it, as the Mistral example's `load_hf` does with `config.json`:
+
+    ```python
+    stored = eqx_lean.checkpoint_tensors("Mistral-7B-v0.1/")
+    stored["model.layers.0.mlp.up_proj.weight"]  # ShapeDtypeStruct(shape=(14336, 4096), ...)
+    ```
+
+    **Arguments:**
+
+    - `path`: as for [`eqx_lean.load_stacked`][]: a directory, a safetensors file, a list of
+        them, or an index file.
+
+    **Returns:**
+
+    A dict from tensor name to a `jax.ShapeDtypeStruct` of its shape and stored dtype, in the
+    order the files hold them.
+    """
+    checkpoint = open_checkpoint(path)
+    return {
+        name: jax.ShapeDtypeStruct(tensor.shape, tensor.dtype)
+        for name, tensor in checkpoint.tensors.items()
+    }
 
 
 def load_tensors(

@@ -197,11 +197,65 @@ def abstract_model(config: MistralConfig, dtype: Any = None) -> Mistral:
     return eqx.filter_eval_shape(build)
 
 
-def load_hf(path: str | os.PathLike, *, dtype: Any = None, sharding: Any = None) -> Mistral:
+_LAYER_PREFIX = "model.layers."
+
+
+def _stored_layers(stored: dict[str, Any]) -> int:
+    """How many layers the weights hold: one more than the highest `model.layers.{n}.` index."""
+    indices = [
+        name[len(_LAYER_PREFIX) :].split(".", 1)[0]
+        for name in stored
+        if name.startswith(_LAYER_PREFIX)
+    ]
+    return 1 + max((int(n) for n in indices if n.isdecimal()), default=-1)
+
+
+def _check_config(path: str, config: MistralConfig, like: Mistral, strict: bool) -> None:
+    """`config.json` must describe the weights: their layer count and every tensor's shape."""
+    config_file = os.path.join(path, "config.json")
+    stored = eqx_lean.checkpoint_tensors(path)
+    held, expected = _stored_layers(stored), config.num_hidden_layers
+    if held < expected or (strict and held > expected):
+        hint = (
+            f"Fix config.json, or pass `strict=False` to load its first {expected} layers."
+            if held > expected
+            else "Fix config.json."
+        )
+        raise ValueError(
+            f"{config_file} says num_hidden_layers={expected}, but the weights in {path} hold "
+            f"{held} layers ('{_LAYER_PREFIX}0.…' to '{_LAYER_PREFIX}{held - 1}.…'). {hint}"
+        )
+    for leaf_path, leaf in jax.tree_util.tree_leaves_with_path(like):
+        if not isinstance(leaf, jax.ShapeDtypeStruct):
+            continue
+        template = _hf_name(leaf_path, leaf)
+        stacked = "{i}" in template
+        shape = leaf.shape[1:] if stacked else leaf.shape
+        for name in [template.format(i=i) for i in range(expected)] if stacked else [template]:
+            if name in stored and stored[name].shape != shape:
+                raise ValueError(
+                    f"{config_file} does not match the weights in {path}: it gives tensor "
+                    f"{name!r} the shape {list(shape)}, but the weights hold "
+                    f"{list(stored[name].shape)}."
+                )
+
+
+def load_hf(
+    path: str | os.PathLike,
+    *,
+    dtype: Any = None,
+    sharding: Any = None,
+    strict: bool = True,
+) -> Mistral:
     """Loads a HuggingFace Mistral checkpoint directory with [`eqx_lean.load_tensors`][].
 
-    Every tensor is streamed from a memory map of its file into buffers allocated once in
-    `dtype`, one layer at a time, so the process holds the model plus one tensor.
+    Every tensor is copied from a memory map of its file straight into buffers allocated once
+    in `dtype`, so the process holds the model plus a few MiB.
+
+    The load is strict: `config.json` must describe the weights (the same number of layers,
+    every tensor's shape), and every tensor of the checkpoint must be loaded, except the buffers
+    `transformers` computes from the config (`*.rotary_emb.inv_freq`). A mismatch is an error
+    that names the file and what differs, before anything is allocated.
 
     **Arguments:**
 
@@ -209,7 +263,10 @@ def load_hf(path: str | os.PathLike, *, dtype: Any = None, sharding: Any = None)
         `model.safetensors.index.json` (as written by `save_pretrained` or [`save_hf`][]).
     - `dtype`: the model's dtype; `None` means the checkpoint's (`config.json`'s `dtype`).
     - `sharding`: as for [`eqx_lean.load_tensors`][]: `None`, one `jax.sharding.Sharding` for
-        every leaf, or a pytree of shardings with the model's structure.
+        every leaf, a pytree of shardings with the model's structure, or a rule such as
+        [`eqx_lean.fsdp`][].
+    - `strict`: `False` loads the layers `config.json` asks for even if the weights hold more,
+        and ignores tensors the model has no leaf for. Shapes must match either way.
 
     **Returns:**
 
@@ -219,7 +276,11 @@ def load_hf(path: str | os.PathLike, *, dtype: Any = None, sharding: Any = None)
     config = MistralConfig.from_json(path)
     _require_weights(path)
     like = abstract_model(config, _resolve_dtype(config, dtype))
-    return eqx_lean.load_tensors(path, like, _hf_name, sharding=sharding)
+    _check_config(path, config, like, strict)
+    layers = None if strict else config.num_hidden_layers
+    return eqx_lean.load_tensors(
+        path, like, _hf_name, sharding=sharding, layers=layers, strict=strict
+    )
 
 
 def save_hf(model: Mistral, path: str | os.PathLike, *, max_shard_bytes: int = 2 * 2**30) -> None:
