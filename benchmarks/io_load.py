@@ -113,7 +113,9 @@ def hf_tensors(config) -> list[tuple[str, tuple[int, ...]]]:
         ("mlp.up_proj.weight", (hidden, d)),
         ("mlp.down_proj.weight", (d, hidden)),
     ]
-    tensors = [("model.embed_tokens.weight", (config.vocab_size, d))]
+    tensors: list[tuple[str, tuple[int, ...]]] = [
+        ("model.embed_tokens.weight", (config.vocab_size, d))
+    ]
     for i in range(config.num_hidden_layers):
         tensors += [(f"model.layers.{i}.{name}", shape) for name, shape in block]
     return tensors + [("model.norm.weight", (d,)), ("lm_head.weight", (config.vocab_size, d))]
@@ -264,8 +266,8 @@ def child_load(directory: Path, method: str, size: str, devices: int) -> None:
     jax.devices()
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
-        lambda event, seconds, **_: (
-            compiles.append(seconds)
+        lambda event, duration_secs, **_: (
+            compiles.append(duration_secs)
             if event == "/jax/core/compile/backend_compile_duration"
             else None
         )

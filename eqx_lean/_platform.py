@@ -167,4 +167,4 @@ def host_view(array: jax.Array) -> np.ndarray | None:
     memory = (ctypes.c_char * (array.size * dtype.itemsize)).from_address(
         array.unsafe_buffer_pointer()
     )
-    return np.frombuffer(memory, dtype, array.size).reshape(array.shape)
+    return np.frombuffer(memoryview(memory), dtype, array.size).reshape(array.shape)

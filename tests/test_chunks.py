@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eqx_lean._core import chunks
+from eqx_lean._core import chunks, memory_analysis
 
 
 REPO = Path(__file__).resolve().parent.parent
@@ -56,7 +56,7 @@ def test_compiled_write_needs_at_most_one_chunk_beside_its_buffers():
     targets = [target((32, *shape)) for shape in BLOCK]
     targets += [target((32000, 4096), stacked=False), target((32000, 4096), stacked=False)]
     for group in chunks.plan_chunks(targets, 4 * MIB, host_writes=False):
-        analysis = chunks.lower_chunk_write(group).compile().memory_analysis()
+        analysis = memory_analysis(chunks.lower_chunk_write(group).compile())
         buffers = sum(int(np.prod(b.shape)) * 2 for b in group.buffers)
         assert analysis.alias_size_in_bytes == buffers  # updated in place
         assert analysis.temp_size_in_bytes <= 4 * MIB, analysis.temp_size_in_bytes
@@ -69,7 +69,7 @@ def test_sharded_compiled_write_is_one_program_for_every_device(tmp_path):
             """
             import jax, jax.numpy as jnp, numpy as np
             from jax.sharding import NamedSharding, PartitionSpec as P
-            from eqx_lean._core import chunks
+            from eqx_lean._core import chunks, memory_analysis
 
             mesh = jax.make_mesh((8,), ("data",))
             def target(shape, spec, stacked=True):

@@ -445,6 +445,7 @@ def test_sharded_load_on_8_devices_equals_unsharded(tmp_path):
         from jax.sharding import NamedSharding, PartitionSpec as P
         import eqx_lean
         from eqx_lean import _io
+        from eqx_lean._core import chunks
 
         assert jax.device_count() == 8
         rng = np.random.default_rng(0)
@@ -487,7 +488,7 @@ def test_sharded_load_on_8_devices_equals_unsharded(tmp_path):
         unsharded = eqx_lean.load_tensors(path, like, names)
         # Host writes (CPU's default), then the compiled chunk writes that other platforms use.
         for host_writes in (True, False):
-            _io.load._HOST_WRITES = host_writes
+            chunks.HOST_WRITES = host_writes
             reads.clear()
             sharded = eqx_lean.load_tensors(path, like, names, sharding=shardings)
             for k, array in sharded.items():
@@ -509,7 +510,7 @@ def test_sharded_load_on_8_devices_equals_unsharded(tmp_path):
                     assert shape[1:] == shard[1:] and 1 <= shape[0] <= shard[0], (name, shape)
             if not host_writes:
                 assert {{shape for name, shape in reads if name == "embed"}} == {{(1, 8)}}
-        _io.load._HOST_WRITES = True
+        chunks.HOST_WRITES = True
 
         # A sharding carried by the ShapeDtypeStructs of `like`, as Orbax targets do: that of
         # the stacked leaf, whose layer axis must be replicated.

@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eqx_lean
 from eqx_lean import _io
+from eqx_lean._core import chunks
 
 
 REPO = Path(__file__).resolve().parent.parent
@@ -77,7 +78,7 @@ def no_allocation(monkeypatch):
 def writes(request, monkeypatch):
     """Both ways of filling buffers: host writes (CPU's) and compiled chunk writes (other
     platforms'), with chunks small enough that every tensor takes several calls."""
-    monkeypatch.setattr(_io.load, "_HOST_WRITES", request.param)
+    monkeypatch.setattr(chunks, "HOST_WRITES", request.param)
     monkeypatch.setattr(_io.load, "_CHUNK_BYTES", 40)
     return request.param
 
@@ -289,7 +290,7 @@ def test_like_from_eval_shape_of_a_sharded_build_loads(tmp_path):
         f"""
         import equinox as eqx, jax, jax.numpy as jnp, numpy as np
         import eqx_lean
-        from eqx_lean import _io
+        from eqx_lean._core import chunks
 
         mesh = jax.make_mesh((8,), ("data",))
         make = lambda key: eqx.nn.MLP(16, 8, width_size=32, depth=2, key=key)
@@ -309,7 +310,7 @@ def test_like_from_eval_shape_of_a_sharded_build_loads(tmp_path):
                                               np.asarray(b).view(np.uint16))
 
         for host_writes in (True, False):
-            _io.load._HOST_WRITES = host_writes
+            chunks.HOST_WRITES = host_writes
             check(eqx_lean.load_stacked({str(tmp_path / "ckpt")!r}, like, names))
             check(eqx_lean.load_stacked({str(tmp_path / "ckpt")!r}, like, names, mesh=mesh))
             with jax.set_mesh(mesh):
@@ -368,7 +369,7 @@ def test_compiled_chunk_writes_compile_once_whatever_the_device_count(tmp_path):
             f"""
             import jax, numpy as np
             import eqx_lean
-            from eqx_lean import _io, _core
+            from eqx_lean._core import chunks
 
             compiles = []
             jax.monitoring.register_event_duration_secs_listener(
@@ -381,7 +382,7 @@ def test_compiled_chunk_writes_compile_once_whatever_the_device_count(tmp_path):
             sharding = eqx_lean.fsdp(jax.make_mesh(({devices},), ("data",)))
             counts = []
             for host_writes in (True, False):
-                _io.load._HOST_WRITES = host_writes
+                chunks.HOST_WRITES = host_writes
                 before = len(compiles)
                 eqx_lean.load_tensors({str(path)!r}, like, names, sharding=sharding)
                 counts.append(len(compiles) - before)
@@ -408,8 +409,8 @@ def _write_big_checkpoint(path: Path, num_layers: int, rows: int, cols: int, voc
 MEMORY_CHILD = """
 import json, sys, jax, jax.numpy as jnp
 import eqx_lean
-from eqx_lean import _io
-_io.load._HOST_WRITES = sys.argv[2] == "host"
+from eqx_lean._core import chunks
+chunks.HOST_WRITES = sys.argv[2] == "host"
 num_layers, rows, cols, vocab = map(int, sys.argv[3:7])
 like = {"w": jax.ShapeDtypeStruct((num_layers, rows, cols), jnp.bfloat16),
         "embed": jax.ShapeDtypeStruct((vocab, cols), jnp.bfloat16)}

@@ -4,6 +4,7 @@ Also `MistralConfig.from_json`'s messages (`examples/mistral7b/config.py`)."""
 
 import dataclasses
 import json
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -16,7 +17,7 @@ from examples.mistral7b import MistralConfig, init, load_hf, save_hf
 from examples.mistral7b.hf import abstract_model
 
 
-TINY = dict(
+TINY: dict[str, Any] = dict(
     vocab_size=32,
     hidden_size=16,
     intermediate_size=24,

@@ -33,6 +33,11 @@ from .writes import WriteCache, allocate, as_bits, delete_arrays
 
 ALIGN = 64  # XLA:CPU uses a contiguous host array aligned to this in place, without a copy
 
+HOST_WRITES = True
+"""Whether buffers on a platform with `Tricks.host_writes` (CPU) are written in place with
+NumPy. `False` compiles chunk writes everywhere, as on GPU and TPU: a documented internal switch
+for tests and benchmarks of that path on CPU."""
+
 
 class Target(NamedTuple):
     """One buffer to fill from host data.
@@ -142,7 +147,10 @@ def _value_struct(target: Target, local_value: tuple[int, ...]) -> jax.ShapeDtyp
 
 
 def _plan_group(
-    targets: Sequence[Target], members: Sequence[int], max_chunk_bytes: int, host_writes: bool
+    targets: Sequence[Target],
+    members: Sequence[int],
+    max_chunk_bytes: int,
+    host_writes: bool | None,
 ) -> _Group:
     first = targets[members[0]]
     stacked = first.stacked
@@ -184,7 +192,7 @@ def _plan_group(
 
 
 def plan_chunks(
-    targets: Sequence[Target], max_chunk_bytes: int, host_writes: bool = True
+    targets: Sequence[Target], max_chunk_bytes: int, host_writes: bool | None = None
 ) -> list[_Group]:
     """Groups the targets by kind and mesh, and sizes each group's chunks.
 
@@ -194,7 +202,7 @@ def plan_chunks(
     - `max_chunk_bytes`: the host bytes (in the source dtype) one call may write, over every
         buffer of its group and every distinct shard; a call writes at least one row of each.
     - `host_writes`: whether groups on a platform with `Tricks.host_writes` (CPU) are written
-        in place with NumPy; `False` compiles writes for every group (for tests).
+        in place with NumPy; `False` compiles writes for every group; `None`: `HOST_WRITES`.
 
     **Returns:**
 
@@ -213,9 +221,10 @@ def plan_chunks(
 # --- allocation -------------------------------------------------------------------------------
 
 
-def _on_host(target: Target, host_writes: bool) -> bool:
+def _on_host(target: Target, host_writes: bool | None) -> bool:
     platform = _platform.platform_of([target.sharding])
-    return host_writes and _platform.Tricks.for_platform(platform).host_writes
+    enabled = HOST_WRITES if host_writes is None else host_writes
+    return enabled and _platform.Tricks.for_platform(platform).host_writes
 
 
 def _host_zeros(target: Target) -> Array:
@@ -229,7 +238,7 @@ def _host_zeros(target: Target) -> Array:
     return jax.make_array_from_single_device_arrays(target.struct.shape, target.sharding, shards)
 
 
-def allocate_targets(targets: Sequence[Target], host_writes: bool = True) -> list[Array]:
+def allocate_targets(targets: Sequence[Target], host_writes: bool | None = None) -> list[Array]:
     """Zero-filled buffers for `targets`, each with its (full) sharding.
 
     Where host writes apply (CPU), each buffer is copied from `np.zeros`, which compiles

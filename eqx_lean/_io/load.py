@@ -56,9 +56,6 @@ M = TypeVar("M")
 # leaf it fills and every distinct shard), so a load needs no more than this beside the model,
 # whatever the size of the largest tensor.
 _CHUNK_BYTES = 4 * 2**20
-# Whether CPU buffers are written in place with NumPy (`Tricks.host_writes`); tests turn it off
-# to run the compiled writes other platforms use.
-_HOST_WRITES = True
 
 
 def _concrete_mesh(path: KeyPath, abstract: AbstractMesh, mesh: Any) -> Mesh:
@@ -220,7 +217,7 @@ class _Reader:
 
 
 def _allocate(targets: Sequence[Target]) -> list[Any]:
-    return allocate_targets(targets, host_writes=_HOST_WRITES)
+    return allocate_targets(targets)
 
 
 def _load_into(
@@ -234,7 +231,7 @@ def _load_into(
         first = leaf.name.at((selected or (None,))[0] if leaf.name.stacked else None)
         stored = checkpoint.tensors[first].dtype
         targets.append(Target(leaf.target, leaf.sharding, leaf.name.stacked, stored))
-    groups = plan_chunks(targets, _CHUNK_BYTES, host_writes=_HOST_WRITES)
+    groups = plan_chunks(targets, _CHUNK_BYTES)
     compiled = compile_chunk_writes(groups)  # before allocating: see its docstring
     buffers = _allocate(targets)
     maps = Maps()
