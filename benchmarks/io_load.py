@@ -33,6 +33,10 @@ Usage (the page cache is warmed before the first method, for every method alike)
     python benchmarks/io_load.py --size 7b --methods eqx_lean --repeat 1   # 13.5 GiB: needs
         # ~15 GiB free for the load plus the page cache of the files; run it on a quiet machine
 
+`--writes compiled` runs the compiled chunk writes that GPUs and TPUs use on CPU too
+(`eqx_lean._core.chunks.HOST_WRITES = False`); the default is CPU's host writes. `--code DIR`
+loads with the `eqx_lean` and example of another checkout (for before/after figures).
+
 `--layout hf` (default) writes tensors at offsets that are not 64-byte aligned, as most
 checkpoints written by the `safetensors` library are; `--layout aligned` pads the header so
 every tensor starts 64-byte aligned, as `eqx_lean.save_tensors` and the example's `save_hf`
@@ -92,7 +96,8 @@ def proc_status(pid: int | str = "self") -> dict[str, int]:
 
 
 def mistral_config(size: str):
-    sys.path.insert(0, str(REPO))
+    if str(REPO) not in sys.path:
+        sys.path.append(str(REPO))  # after PYTHONPATH, which `--code` sets in the children
     from examples.mistral7b import MistralConfig
 
     return MistralConfig(**SIZES[size], dtype="bfloat16")
@@ -204,7 +209,7 @@ def held_bytes(tree) -> int:
     return total
 
 
-def load_with(method: str, directory: Path, devices: int):
+def load_with(method: str, directory: Path, devices: int, writes: str):
     import jax
 
     files = sorted(directory.glob("*.safetensors"))
@@ -212,6 +217,10 @@ def load_with(method: str, directory: Path, devices: int):
         import eqx_lean
         from examples.mistral7b import load_hf
 
+        if writes == "compiled":
+            from eqx_lean._core import chunks
+
+            chunks.HOST_WRITES = False
         sharding = None
         if devices > 1:
             sharding = eqx_lean.fsdp(jax.make_mesh((devices,), ("data",)))
@@ -254,8 +263,7 @@ def verify(loaded, directory: Path, config, full: bool) -> int:
     return checked
 
 
-def child_load(directory: Path, method: str, size: str, devices: int) -> None:
-    sys.path.insert(0, str(REPO))
+def child_load(directory: Path, method: str, size: str, devices: int, writes: str) -> None:
     import jax
     import safetensors.flax  # noqa: F401  (imported by every method, so every idle has it)
 
@@ -275,7 +283,7 @@ def child_load(directory: Path, method: str, size: str, devices: int) -> None:
     idle = proc_status()
     report("idle", **idle)
     start = time.perf_counter()
-    loaded = load_with(method, directory, devices)
+    loaded = load_with(method, directory, devices, writes)
     jax.block_until_ready(loaded)
     seconds = time.perf_counter() - start
     report(
@@ -318,12 +326,15 @@ class Sampler(threading.Thread):
             time.sleep(self.interval)
 
 
-def run_child(directory: Path, method: str, size: str, devices: int) -> dict:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
+def run_child(
+    directory: Path, method: str, size: str, devices: int, writes: str, code: Path
+) -> dict:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(code))
     env.pop("XLA_FLAGS", None)
     if devices > 1:
         env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     args = ["--child", method, str(directory), "--size", size, "--devices", str(devices)]
+    args += ["--writes", writes]
     child = subprocess.Popen(
         [sys.executable, __file__, *args],
         stdin=subprocess.PIPE,
@@ -410,6 +421,8 @@ def main() -> None:
     parser.add_argument("--size", choices=list(SIZES), default="small")
     parser.add_argument("--devices", type=int, default=1, help="forced CPU devices (eqx_lean)")
     parser.add_argument("--layout", choices=("hf", "aligned"), default="hf")
+    parser.add_argument("--writes", choices=("host", "compiled"), default="host")
+    parser.add_argument("--code", type=Path, default=REPO, help="checkout whose eqx_lean loads")
     parser.add_argument("--methods", nargs="+", default=["eqx_lean", "safetensors_flax"])
     parser.add_argument("--repeat", type=int, default=3, help="alternating rounds")
     parser.add_argument("--dir", type=Path, help="where to write the checkpoint (default: temp)")
@@ -419,7 +432,7 @@ def main() -> None:
     parser.add_argument("--child", nargs=2, metavar=("METHOD", "DIR"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        child_load(Path(args.child[1]), args.child[0], args.size, args.devices)
+        child_load(Path(args.child[1]), args.child[0], args.size, args.devices, args.writes)
         return
     unknown = set(args.methods) - set(METHODS)
     if unknown:
@@ -443,9 +456,14 @@ def main() -> None:
         for _ in range(args.repeat):
             for method in args.methods:
                 devices = args.devices if method == "eqx_lean" else 1
-                rows.append(run_child(directory, method, args.size, devices))
+                rows.append(
+                    run_child(directory, method, args.size, devices, args.writes, args.code)
+                )
                 print(json.dumps(rows[-1]), flush=True)
-        print(f"\nsize {args.size}, layout {args.layout}, eqx_lean on {args.devices} device(s)")
+        print(
+            f"\nsize {args.size}, layout {args.layout}, eqx_lean on {args.devices} device(s), "
+            f"{args.writes} writes, code {args.code}"
+        )
         print(table(rows))
         print(summary(rows))
         if args.json:

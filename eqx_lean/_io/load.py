@@ -379,12 +379,14 @@ def load_stacked(
 ) -> M:
     """Loads stacked layers from safetensors files that store one tensor per layer.
 
-    Every stacked buffer is allocated once, in its target dtype (no random initialisation), and
-    filled by compiled writes that donate it, casting on the way. Each call copies a few rows of
-    one layer of every leaf, at most 4 MiB in all, from read-only memory maps of the files (page
-    cache, not a private copy): the process holds the loaded model plus a few MiB, whatever the
-    size of its largest tensor, never a second copy of the stack and never a float32 copy of a
-    bfloat16 model. One write is compiled for all the leaves and every device.
+    Every stacked buffer is allocated once, in its target dtype and sharding (no random
+    initialisation), then filled in place from read-only memory maps of the files (page cache,
+    not a private copy), casting on the way: on CPU, each device's slice of each layer is copied
+    with NumPy straight into the buffer's memory; elsewhere, by compiled writes that donate the
+    buffers, each call a few rows of one layer of every leaf, at most 4 MiB in all, one program
+    for all the leaves and every device. The process holds the loaded model plus a few MiB,
+    whatever the size of its largest tensor: never a second copy of the stack, never a whole
+    tensor on the side, never a float32 copy of a bfloat16 model.
 
     Every file header, tensor name, shape and dtype is checked before anything is allocated, so a
     bad checkpoint fails with a clear message and writes nothing. Pickle checkpoints (`.bin`,

@@ -12,6 +12,7 @@ import mmap
 import os
 import struct
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple, TypeGuard
@@ -298,19 +299,24 @@ def open_checkpoint(path: Any) -> Checkpoint:
 
 
 class Maps:
-    """Read-only memory maps of a checkpoint's files, opened on first use."""
+    """Read-only memory maps of a checkpoint's files, opened on first use (thread-safe)."""
 
     def __init__(self):
         self._maps: dict[Path, mmap.mmap] = {}
+        self._lock = threading.Lock()
+
+    def _map(self, file: Path) -> mmap.mmap:
+        with self._lock:
+            if file not in self._maps:
+                with open(file, "rb") as f:
+                    self._maps[file] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            return self._maps[file]
 
     def view(self, tensor: Tensor) -> np.ndarray:
         if tensor.stop == tensor.start:
             return np.zeros(tensor.shape, tensor.dtype)
-        if tensor.file not in self._maps:
-            with open(tensor.file, "rb") as f:
-                self._maps[tensor.file] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         count = math.prod(tensor.shape)
-        flat = np.frombuffer(self._maps[tensor.file], tensor.dtype, count, tensor.start)
+        flat = np.frombuffer(self._map(tensor.file), tensor.dtype, count, tensor.start)
         return flat.reshape(tensor.shape)
 
     def release(self, tensor: Tensor) -> None:
