@@ -77,8 +77,9 @@ def no_allocation(monkeypatch):
 @pytest.fixture(params=[True, False], ids=["host_writes", "compiled_writes"])
 def writes(request, monkeypatch):
     """Both ways of filling buffers: host writes (CPU's) and compiled chunk writes (other
-    platforms'), with chunks small enough that every tensor takes several calls."""
+    platforms'), with pieces small enough that every tensor takes several copies or calls."""
     monkeypatch.setattr(chunks, "HOST_WRITES", request.param)
+    monkeypatch.setattr(chunks, "_HOST_PIECE_BYTES", 24)
     monkeypatch.setattr(_io.load, "_CHUNK_BYTES", 40)
     return request.param
 

@@ -1,6 +1,7 @@
 """Host data written into preallocated, possibly sharded buffers, in bounded pieces.
 
-The loaders' engine. Buffers are allocated once (`allocate`), then filled in one of two ways:
+The loaders' engine. Buffers are allocated once (`allocate_targets`), then filled in one of two
+ways:
 
 - on CPU (`Tricks.host_writes`), device memory is host memory: each shard of each layer is
   copied with NumPy straight from the file's memory map into the buffer's memory, casting on
@@ -472,6 +473,30 @@ def _copy(task: tuple[np.ndarray, int, int | None, tuple[slice, ...]], read: Rea
     np.copyto(destination, read(target, layer, index), casting="unsafe")
 
 
+_HOST_PIECE_BYTES = 16 * 2**20  # copies are cut into pieces this big, spread over the threads
+
+
+def _row_pieces(
+    task: tuple[np.ndarray, int, int | None, tuple[slice, ...]],
+) -> list[tuple[np.ndarray, int, int | None, tuple[slice, ...]]]:
+    """A copy cut along its first axis, so that the threads share a large tensor."""
+    destination, target, layer, index = task
+    if destination.ndim == 0 or destination.nbytes <= _HOST_PIECE_BYTES:
+        return [task]
+    rows = destination.shape[0]
+    step = max(1, rows * _HOST_PIECE_BYTES // destination.nbytes)
+    first = index[0].start
+    return [
+        (
+            destination[a : a + step],
+            target,
+            layer,
+            (slice(first + a, first + min(a + step, rows)), *index[1:]),
+        )
+        for a in range(0, rows, step)
+    ]
+
+
 def _fill_host(
     group: _Group,
     views: Sequence[list[tuple[np.ndarray, tuple[slice, ...]]]],
@@ -492,7 +517,8 @@ def _fill_host(
                 else:
                     tasks.append((view, part.target, None, region))
                     layers.add(None)
-        for done in pool.map(lambda task: _copy(task, read), tasks):
+        pieces = [piece for task in tasks for piece in _row_pieces(task)]
+        for done in pool.map(lambda piece: _copy(piece, read), pieces):
             del done
         for layer in sorted(layers, key=lambda x: -1 if x is None else x):
             release(members, layer)
