@@ -242,7 +242,16 @@ def verify(loaded, directory: Path, config, full: bool) -> int:
     import numpy as np
     from safetensors import safe_open
 
-    from examples.mistral7b.hf import _hf_name
+    def hf_name(path) -> str:
+        # The example's leaves follow HF's attribute names (see its `hf.py`).
+        key = jax.tree_util.keystr(path)
+        if key.startswith(".layers."):
+            return "model.layers.{i}." + key.removeprefix(".layers.")
+        return {
+            ".embed_tokens.weight": "model.embed_tokens.weight",
+            ".norm.weight": "model.norm.weight",
+            ".lm_head.weight": "lm_head.weight",
+        }[key]
 
     index = json.loads((directory / "model.safetensors.index.json").read_text())["weight_map"]
     last = config.num_hidden_layers - 1
@@ -251,7 +260,7 @@ def verify(loaded, directory: Path, config, full: bool) -> int:
     for path, leaf in jax.tree_util.tree_leaves_with_path(loaded):
         if not isinstance(leaf, jax.Array):
             continue
-        template = _hf_name(path, leaf)
+        template = hf_name(path)
         for layer in layers if "{i}" in template else [None]:
             name = template if layer is None else template.format(i=layer)
             with safe_open(directory / index[name], "numpy") as f:
