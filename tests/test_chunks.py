@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eqx_lean._core import chunks, memory_analysis
+from eqx_lean._core import chunk_writes, chunks, memory_analysis
 
 
 REPO = Path(__file__).resolve().parent.parent
@@ -42,7 +42,7 @@ def test_calls_cover_every_row_within_the_chunk_budget():
         for part in group.parts:
             rows = part.local[part.row_axis]
             starts = {
-                int(chunks._call_offsets(group, 0, call)[1 + group.parts.index(part)])
+                int(chunk_writes._call_offsets(group, 0, call)[1 + group.parts.index(part)])
                 for call in range(group.calls)
             }
             covered = set().union(*(range(s, s + part.rows) for s in starts))
