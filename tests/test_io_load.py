@@ -268,6 +268,20 @@ def test_host_and_compiled_writes_cast_transpose_and_place_alike(tmp_path, write
         np.testing.assert_array_equal(as_bytes(found), as_bytes(value), err_msg=key)
 
 
+def test_loaded_buffers_are_owned_by_xla_so_a_donation_updates_them_in_place(tmp_path, writes):
+    """Host writes copy into buffers XLA allocated (never NumPy memory that JAX aliases, which
+    a donating computation would silently copy: twice the model at its first training step)."""
+    tensors = stored(L)
+    path = save(tmp_path, tensors)
+    loaded = eqx_lean.load_stacked(path, like(), NAMES)
+    distinct = {x.unsafe_buffer_pointer() for x in loaded.values()}
+    assert len(distinct) == len(loaded)
+    before = loaded["w"].unsafe_buffer_pointer()
+    updated = jax.jit(lambda x: x + 1, donate_argnums=0)(loaded["w"])
+    assert updated.unsafe_buffer_pointer() == before
+    np.testing.assert_array_equal(np.asarray(updated), layers_of(tensors, "w", range(L)) + 1)
+
+
 # --- shardings ------------------------------------------------------------------------------------
 
 
