@@ -11,6 +11,7 @@ from ._build import (
 from ._core import clear_caches as clear_caches, fsdp as fsdp
 from ._io import (
     TensorName as TensorName,
+    checkpoint_tensors as checkpoint_tensors,
     load_stacked as load_stacked,
     load_tensors as load_tensors,
     save_stacked as save_stacked,

@@ -22,6 +22,9 @@ the platform it is compiled for (`Tricks.for_platform`), never globally:
   device's own pool).
 - scan's optimisation barrier (`barrier_on_cpu`): ties the stack to the loop index so XLA:CPU,
   which slices bfloat16 in float32, does not hoist a float32 copy of the whole stack.
+- `host_writes`: loads copy file data with NumPy straight into the memory of freshly allocated
+  CPU buffers (`host_view`), which is host memory: no compiled write, no staged copy. Elsewhere
+  device memory is not host memory, and loads use compiled, donated chunk writes.
 
 The H100-target figures that decide the non-CPU side are in `docs/benchmarks.md`
 (`benchmarks/gpu_target.py`).
@@ -34,6 +37,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 from jax import lax
 from jax.sharding import Sharding
 
@@ -49,6 +53,7 @@ class Tricks:
     bit_writes: bool = False
     layer_runs: bool = False
     trim_host_heap: bool = False
+    host_writes: bool = False
 
     @classmethod
     def for_platform(cls, platform: str) -> "Tricks":
@@ -60,6 +65,7 @@ class Tricks:
             bit_writes=on_cpu,
             layer_runs=on_cpu,
             trim_host_heap=on_cpu and _malloc_trim() is not None,
+            host_writes=on_cpu,
         )
 
     def compiler_options(self) -> dict[str, str]:
@@ -139,3 +145,26 @@ def barrier_on_cpu(values: Any) -> Any:
     when the program is lowered.
     """
     return lax.platform_dependent(values, cpu=lax.optimization_barrier, default=lambda x: x)
+
+
+def host_view(array: jax.Array) -> np.ndarray | None:
+    """A writable NumPy view of the memory of a single-device CPU array, for `host_writes`.
+
+    JAX arrays are immutable: only a loader that has just allocated `array`, holds its only
+    reference and has waited for it to be ready may write through this view, before anyone else
+    sees the array. `None` where the memory is not plain row-major host memory (another
+    platform, another layout): the caller then writes with a compiled program.
+    """
+    if len(array.devices()) != 1 or next(iter(array.devices())).platform != "cpu":
+        return None
+    layout = getattr(getattr(array, "format", None), "layout", None)
+    major_to_minor = getattr(layout, "major_to_minor", None)
+    if major_to_minor is not None and tuple(major_to_minor) != tuple(range(array.ndim)):
+        return None
+    dtype = np.dtype(array.dtype)
+    if array.size == 0:
+        return None
+    memory = (ctypes.c_char * (array.size * dtype.itemsize)).from_address(
+        array.unsafe_buffer_pointer()
+    )
+    return np.frombuffer(memoryview(memory), dtype, array.size).reshape(array.shape)

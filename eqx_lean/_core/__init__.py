@@ -15,6 +15,10 @@ scripts in `benchmarks/` may use it. It is not public API and may change between
 - `program`: `make_layer` traced once (`trace_layer`), with a key by content.
 - `writes`: allocation, donated row writes, the build plan (`plan_build`), its compiled writes
   (`compile_writes`, cached by content in `WRITES`; `lower_writes` for inspection) and `fill`.
+- `chunks`: the loaders' engine: buffers filled from host data in bounded pieces
+  (`plan_chunks`, `allocate_targets`, `compile_chunk_writes`, `fill_chunks`; `lower_chunk_write`
+  for inspection), by host writes on CPU or compiled chunk writes elsewhere (`HOST_WRITES`
+  switches the first off); `chunk_writes`: those compiled writes (`shard_map` on a mesh).
 
 Platform tricks live in `eqx_lean._platform` (re-exported here: `Tricks`, `lower`), private JAX
 in `eqx_lean._compat`.

@@ -2,13 +2,18 @@
 
 - `names`: tensor-name templates (`TensorName`, `{i}` for the layer index);
 - `safetensors`: the file format, checkpoint directories and indexes, memory maps;
-- `load`: `load_stacked`, `load_tensors`;
+- `checks`: what a checkpoint must hold for a load (layer count, unmapped tensors);
+- `load`: `load_stacked`, `load_tensors`, `checkpoint_tensors`;
 - `save`: `save_stacked`, `save_tensors`;
 - `directory`: a checkpoint directory as one unit (what a save owns, carries over, refuses; the
   targets it refuses; building beside the target and swapping atomically);
 - `fs`: every filesystem change of a save, each with a hook before and after (fault injection).
 """
 
-from .load import load_stacked as load_stacked, load_tensors as load_tensors
+from .load import (
+    checkpoint_tensors as checkpoint_tensors,
+    load_stacked as load_stacked,
+    load_tensors as load_tensors,
+)
 from .names import LAYER as LAYER, TensorName as TensorName
 from .save import save_stacked as save_stacked, save_tensors as save_tensors

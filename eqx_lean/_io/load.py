@@ -1,17 +1,13 @@
 """Loading: checkpoint tensors streamed into preallocated (and possibly sharded) buffers."""
 
-import functools
-import math
 import os
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple, TypeVar
+from collections.abc import Sequence
+from typing import Any, TypeVar
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
-from jaxtyping import Array
+from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
 from .._core import (
     DtypePolicy,
@@ -19,19 +15,29 @@ from .._core import (
     LayerAxis,
     Layout,
     ShardingPolicy,
-    allocate,
     check_dtype_policy,
     check_layer_axis,
-    compile_row_writes,
     current_mesh,
     delete_arrays,
-    is_floating,
     per_layer_sharding,
     resolve_dtypes,
     resolve_shardings,
     stacked_shardings,
-    write_layer,
-    write_rows,
+)
+from .._core.chunks import (
+    Target,
+    allocate_targets,
+    bounded as bounded,
+    compile_chunk_writes,
+    fill_chunks,
+    plan_chunks,
+)
+from .checks import (
+    Leaf,
+    check_layers,
+    check_tensors,
+    check_unmapped,
+    select_layers,
 )
 from .names import (
     LAYER,
@@ -41,24 +47,46 @@ from .names import (
     require_all_stacked,
     resolve_names,
 )
-from .safetensors import ALIGN, Checkpoint, Maps, Tensor, open_checkpoint
+from .safetensors import Checkpoint, Maps, open_checkpoint
 
 
 M = TypeVar("M")
 
-_CHUNK_BYTES = 64 * 2**20  # rows of a plain (non-stacked) tensor are copied in pieces this big
+# One call of a compiled write copies at most this many bytes (in the stored dtype, over every
+# leaf it fills and every distinct shard), so a load needs no more than this beside the model,
+# whatever the size of the largest tensor.
+_CHUNK_BYTES = 4 * 2**20
 
 
-class _LoadLeaf(NamedTuple):
-    path: KeyPath
-    target: jax.ShapeDtypeStruct  # the loaded leaf: full shape, target dtype
-    name: TensorName | None  # None: not stored, `source` is returned as is
-    source: Any
-    sharding: jax.sharding.Sharding | None
+def _concrete_mesh(path: KeyPath, abstract: AbstractMesh, mesh: Any) -> Mesh:
+    """The mesh to place a sharding of `like` that names an abstract mesh on.
+
+    `eqx.filter_eval_shape` of a sharded build gives shardings on the `AbstractMesh` of the
+    mesh it was built on, which names axes but no devices.
+    """
+    found = current_mesh(mesh)
+    where = f"Leaf {jax.tree_util.keystr(path)} of `like` carries a sharding on {abstract}"
+    if isinstance(found, Mesh):
+        if (found.axis_names, found.axis_sizes) != (abstract.axis_names, abstract.axis_sizes):
+            raise ValueError(
+                f"{where}, which must match the mesh it is placed on (`mesh=` or the mesh set by "
+                f"`jax.set_mesh`), but that mesh has axes {dict(found.shape)}."
+            )
+        return found
+    if int(np.prod(abstract.axis_sizes)) != jax.device_count():
+        raise ValueError(
+            f"{where} ({int(np.prod(abstract.axis_sizes))} devices), as "
+            "`eqx.filter_eval_shape` gives, but this process sees "
+            f"{jax.device_count()} devices: pass `mesh=` (the mesh it was built on)."
+        )
+    return jax.make_mesh(abstract.axis_sizes, abstract.axis_names, axis_types=abstract.axis_types)
 
 
-def _describe_leaf(leaf: _LoadLeaf) -> str:
-    return jax.tree_util.keystr(leaf.path)
+def _carried_sharding(path: KeyPath, struct: Any, mesh: Any) -> Any:
+    sharding = getattr(struct, "sharding", None)
+    if isinstance(sharding, NamedSharding) and isinstance(sharding.mesh, AbstractMesh):
+        return NamedSharding(_concrete_mesh(path, sharding.mesh, mesh), sharding.spec)
+    return sharding
 
 
 def _resolve_shardings(
@@ -74,7 +102,9 @@ def _resolve_shardings(
     The one meaning of `sharding=` (see `eqx_lean._core.policy`): for a leaf named with `{i}` it
     is one layer's sharding, the layer axis replicated unless `layer_axis` names mesh axes; for
     any other leaf, the whole tensor's. Without `sharding`, shardings that `like`'s
-    `ShapeDtypeStruct`s carry are used, and must replicate the layer axis.
+    `ShapeDtypeStruct`s carry are used, and must replicate the layer axis; those on an abstract
+    mesh (from `eqx.filter_eval_shape`) are placed on `mesh`, the mesh set by `jax.set_mesh`,
+    or else `jax.make_mesh` of the same axes over every device.
     """
     stacked = [name is not None and name.stacked for name in tensor_names]
     seen = tuple(
@@ -82,7 +112,9 @@ def _resolve_shardings(
         for s, is_stacked in zip(layout.structs, stacked, strict=True)
     )
     if sharding is None:
-        carried = [getattr(s, "sharding", None) for s in layout.structs]
+        carried = [
+            _carried_sharding(p, s, mesh) for p, s in zip(layout.paths, layout.structs, strict=True)
+        ]
         per_leaf = tuple(
             per_layer_sharding(path, s, "like") if is_stacked else s
             for path, s, is_stacked in zip(layout.paths, carried, stacked, strict=True)
@@ -131,7 +163,7 @@ def _targets(
 
 def _plan_leaves(
     like: Any, names: Any, dtype: DtypePolicy, sharding: Any, mesh: Any, layer_axis: Any, fn: str
-) -> tuple[Layout, list[_LoadLeaf], int | None]:
+) -> tuple[Layout, list[Leaf], int | None]:
     layout = Layout.of(like)
     tensor_names = resolve_names(names, layout, fn)
     if fn == "load_stacked":
@@ -155,282 +187,129 @@ def _plan_leaves(
             )
         if name is not None:
             check_transpose_rank(path, name, leaf.shape[1:] if name.stacked else leaf.shape)
-        leaves.append(_LoadLeaf(path, target, name, concrete.get(path), leaf_sharding))
+        leaves.append(Leaf(path, target, name, concrete.get(path), leaf_sharding))
     return layout, leaves, num_layers
-
-
-def _tensor_problems(
-    leaf: _LoadLeaf, checkpoint: Checkpoint, num_layers: int | None
-) -> tuple[list[str], list[str]]:
-    """The missing tensor names and the mismatch messages for one leaf."""
-    assert leaf.name is not None
-    stacked = leaf.name.stacked
-    per_layer_shape = leaf.target.shape[1:] if stacked else leaf.target.shape
-    expected_shape = leaf.name.stored_shape(per_layer_shape)
-    layers: Sequence[int | None] = range(num_layers or 0) if stacked else [None]
-    missing, mismatched = [], []
-    for layer in layers:
-        tensor_name = leaf.name.at(layer)
-        tensor = checkpoint.tensors.get(tensor_name)
-        if tensor is None:
-            missing.append(tensor_name)
-            continue
-        where = f"Tensor {tensor_name!r} (for leaf {_describe_leaf(leaf)}) in {tensor.file}"
-        if tensor.shape != expected_shape:
-            transposed = f", stored transposed by {leaf.name.transpose}" * bool(leaf.name.transpose)
-            mismatched.append(
-                f"{where} has shape {list(tensor.shape)}; expected {list(expected_shape)} "
-                f"(the leaf's shape{' per layer' if stacked else ''}{transposed})."
-            )
-        target = leaf.target.dtype
-        if is_floating(target) and not is_floating(tensor.dtype):
-            mismatched.append(
-                f"{where} has dtype {tensor.dtype}; expected a floating dtype, cast to {target}."
-            )
-        elif not is_floating(target) and tensor.dtype != target:
-            mismatched.append(
-                f"{where} has dtype {tensor.dtype}; expected {target} (only floating tensors are "
-                "cast)."
-            )
-    return missing, mismatched
-
-
-def _check_tensors(leaves: Sequence[_LoadLeaf], checkpoint: Checkpoint, num_layers: int | None):
-    missing, mismatched = [], []
-    for leaf in leaves:
-        if leaf.name is not None:
-            m, mm = _tensor_problems(leaf, checkpoint, num_layers)
-            missing += m
-            mismatched += mm
-    if missing:
-        shown = ", ".join(repr(n) for n in missing[:5])
-        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-        raise KeyError(
-            f"The checkpoint ({checkpoint.describe()}) must hold every tensor that `names` "
-            f"refers to, but {len(missing)} are missing: {shown}{more}."
-        )
-    if mismatched:
-        more = f" ({len(mismatched) - 1} more mismatches follow it)" if len(mismatched) > 1 else ""
-        raise ValueError(mismatched[0] + more)
-
-
-class _Shard(NamedTuple):
-    device: Any  # a `jax.Device`; None: the default device, uncommitted (no sharding asked for)
-    region: tuple[slice, ...]  # of the full (stacked) leaf, with explicit bounds
-
-
-def _shards_of(leaf: _LoadLeaf) -> list[_Shard]:
-    shape = leaf.target.shape
-    if leaf.sharding is None:
-        return [_Shard(None, tuple(slice(0, n) for n in shape))]
-    indices = leaf.sharding.addressable_devices_indices_map(shape)
-    return [_Shard(device, bounded(index, shape)) for device, index in indices.items()]
-
-
-def bounded(index: Any, shape: tuple[int, ...]) -> tuple[slice, ...]:
-    index = tuple(index or ()) + (slice(None),) * (len(shape) - len(index or ()))
-    return tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape, strict=True))
-
-
-def _shard_struct(target: jax.ShapeDtypeStruct, shard: _Shard) -> jax.ShapeDtypeStruct:
-    shape = tuple(s.stop - s.start for s in shard.region)
-    return _struct_on(shape, target.dtype, shard.device)
-
-
-def _struct_on(shape: tuple[int, ...], dtype: Any, device: Any) -> jax.ShapeDtypeStruct:
-    sharding = None if device is None else jax.sharding.SingleDeviceSharding(device)
-    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
-
-
-@functools.cache
-def _zeros_on(device: Any) -> Callable[[tuple[jax.ShapeDtypeStruct, ...]], tuple[Array, ...]]:
-    def zeros(structs: tuple[jax.ShapeDtypeStruct, ...]) -> tuple[Array, ...]:
-        return tuple(jnp.zeros(x.shape, x.dtype) for x in structs)
-
-    sharding = jax.sharding.SingleDeviceSharding(device)
-    return jax.jit(zeros, static_argnums=0, out_shardings=sharding)
-
-
-def _allocate_shards(
-    targets: Mapping[int, jax.ShapeDtypeStruct], shards: Mapping[int, Sequence[_Shard]]
-) -> dict[int, list[Array]]:
-    """Zero-filled buffers for every shard, made by one computation per device."""
-    by_device: dict[Any, list[tuple[int, int]]] = {}
-    for j in targets:
-        for s, shard in enumerate(shards[j]):
-            by_device.setdefault(shard.device, []).append((j, s))
-    buffers: dict[int, list[Any]] = {j: [None] * len(shards[j]) for j in targets}
-    for device, where in by_device.items():
-        structs = tuple(
-            jax.ShapeDtypeStruct(
-                tuple(r.stop - r.start for r in shards[j][s].region), targets[j].dtype
-            )
-            for j, s in where
-        )
-        if device is None:
-            made = allocate(structs, (None,) * len(structs))
-        else:
-            made = _zeros_on(device)(structs)
-        for (j, s), buffer in zip(where, made, strict=True):
-            buffers[j][s] = buffer
-    return buffers
-
-
-def _row_pieces(shard: _Shard, itemsize: int) -> list[slice]:
-    """Rows of a plain leaf's shard, in pieces of at most `_CHUNK_BYTES` (stored dtype)."""
-    rows, rest = shard.region[0], shard.region[1:]
-    row_bytes = max(1, math.prod(s.stop - s.start for s in rest) * itemsize)
-    step = max(1, _CHUNK_BYTES // row_bytes)
-    return [slice(a, min(a + step, rows.stop)) for a in range(rows.start, rows.stop, step)]
-
-
-def _write_signatures(leaf: _LoadLeaf, shard: _Shard, stored: np.dtype) -> set[tuple[Any, ...]]:
-    """The compiled writes that filling `shard` of `leaf` calls: (function, buffer, value)."""
-    assert leaf.name is not None
-    buffer = _shard_struct(leaf.target, shard)
-    if leaf.name.stacked:
-        return {(buffer, _struct_on(buffer.shape[1:], stored, shard.device), True)}
-    if not shard.region:  # a scalar: cast and placed without a compiled write
-        return set()
-    rest = buffer.shape[1:]
-    return {
-        (buffer, _struct_on((p.stop - p.start, *rest), stored, shard.device), False)
-        for p in _row_pieces(shard, stored.itemsize)
-    }
 
 
 def _host_slice(stored: np.ndarray, name: TensorName, index: tuple[slice, ...]) -> np.ndarray:
     """The part `index` (in the leaf's axis order) of a stored tensor, as a view when possible."""
     view = stored if name.transpose is None else stored.transpose(name.transpose)
-    # A layer of a stacked scalar leaf indexes to a NumPy scalar, which is not an array.
-    return np.asarray(view[index])
+    return view[(*index, ...)]  # the Ellipsis keeps a scalar a (0-d) view
 
 
-def _put(value: np.ndarray, device: Any) -> Array:
-    platform = jax.default_backend() if device is None else device.platform
-    if platform == "cpu" and not _is_aligned(value):
-        # JAX on CPU uses a contiguous, 64-byte aligned host array in place (so every tensor that
-        # `save_stacked` writes is read straight from the page cache); anything else it copies,
-        # several times slower than NumPy copies into an aligned array.
-        value = _aligned_copy(value)
-    return jax.device_put(value, device)
+class _Reader:
+    """Reads the leaves' tensors from memory maps of the checkpoint's files."""
+
+    def __init__(
+        self,
+        leaves: Sequence[Leaf],
+        checkpoint: Checkpoint,
+        selected: Sequence[int] | None,
+        maps: Maps,
+    ):
+        self.leaves, self.checkpoint, self.selected, self.maps = leaves, checkpoint, selected, maps
+
+    def _tensor(self, j: int, layer: int | None):
+        name = self.leaves[j].name
+        assert name is not None
+        at = None if layer is None else (self.selected or ())[layer]
+        return name, self.checkpoint.tensors[name.at(at)]
+
+    def read(self, j: int, layer: int | None, index: tuple[slice, ...]) -> np.ndarray:
+        name, tensor = self._tensor(j, layer)
+        return _host_slice(self.maps.view(tensor), name, index)
+
+    def release(self, members: Sequence[int], layer: int | None) -> None:
+        for j in members:
+            self.maps.release(self._tensor(j, layer)[1])
 
 
-def _is_aligned(value: np.ndarray) -> bool:
-    return value.flags.c_contiguous and value.ctypes.data % ALIGN == 0
-
-
-def _aligned_copy(value: np.ndarray) -> np.ndarray:
-    raw = np.empty(value.nbytes + ALIGN, np.uint8)
-    start = -raw.ctypes.data % ALIGN
-    aligned = raw[start : start + value.nbytes].view(value.dtype).reshape(value.shape)
-    np.copyto(aligned, value)
-    return aligned
-
-
-def _fill_plain(leaf: _LoadLeaf, shard: _Shard, buffer: Array, stored: np.ndarray) -> Array:
-    assert leaf.name is not None
-    if not shard.region:  # a scalar
-        value = jnp.asarray(_host_slice(stored, leaf.name, ()))
-        return jax.device_put(value.astype(leaf.target.dtype), shard.device)
-    for piece in _row_pieces(shard, stored.dtype.itemsize):
-        value = _put(_host_slice(stored, leaf.name, (piece, *shard.region[1:])), shard.device)
-        buffer = write_rows(buffer, value, piece.start - shard.region[0].start)
-        buffer.block_until_ready()
-    return buffer
-
-
-def _fill_layer(
-    leaf: _LoadLeaf, shard: _Shard, buffer: Array, stored: np.ndarray, layer: int
-) -> Array:
-    assert leaf.name is not None
-    value = _put(_host_slice(stored, leaf.name, shard.region[1:]), shard.device)
-    buffer = write_layer(buffer, value, layer - shard.region[0].start)
-    # One write in flight at a time: queued writes would each hold their input alive.
-    buffer.block_until_ready()
-    return buffer
-
-
-def _fill_tensor(
-    leaf: _LoadLeaf,
-    shards: Sequence[_Shard],
-    buffers: list[Array],
-    tensor: Tensor,
-    maps: Maps,
-    layer: int | None,
-) -> None:
-    """Copies one stored tensor (a whole plain leaf, or one layer) into every shard needing it."""
-    stored = maps.view(tensor)
-    for s, shard in enumerate(shards):
-        if layer is None:
-            buffers[s] = _fill_plain(leaf, shard, buffers[s], stored)
-        elif shard.region[0].start <= layer < shard.region[0].stop:
-            buffers[s] = _fill_layer(leaf, shard, buffers[s], stored, layer)
-    del stored
-    maps.release(tensor)
-
-
-def _assemble(leaf: _LoadLeaf, buffers: list[Array]) -> Array:
-    if leaf.sharding is None:
-        return buffers[0]
-    return jax.make_array_from_single_device_arrays(leaf.target.shape, leaf.sharding, buffers)
+def _allocate(targets: Sequence[Target]) -> list[Any]:
+    return allocate_targets(targets)
 
 
 def _load_into(
-    leaves: Sequence[_LoadLeaf], checkpoint: Checkpoint, num_layers: int | None, maps: Maps
+    leaves: Sequence[Leaf], checkpoint: Checkpoint, selected: Sequence[int] | None
 ) -> list[Any]:
-    named = {j: leaf.name for j, leaf in enumerate(leaves) if leaf.name is not None}
-    shards = {j: _shards_of(leaves[j]) for j in named}
-    compile_row_writes(
-        {
-            signature
-            for j, name in named.items()
-            for shard in shards[j]
-            for signature in _write_signatures(
-                leaves[j], shard, checkpoint.tensors[name.at(0 if name.stacked else None)].dtype
-            )
-        }
-    )
-    buffers = _allocate_shards({j: leaves[j].target for j in named}, shards)
+    named = [j for j, leaf in enumerate(leaves) if leaf.name is not None]
+    targets = []
+    for j in named:
+        leaf = leaves[j]
+        assert leaf.name is not None
+        first = leaf.name.at((selected or (None,))[0] if leaf.name.stacked else None)
+        stored = checkpoint.tensors[first].dtype
+        targets.append(Target(leaf.target, leaf.sharding, leaf.name.stacked, stored))
+    groups = plan_chunks(targets, _CHUNK_BYTES)
+    compiled = compile_chunk_writes(groups)  # before allocating: see its docstring
+    buffers = _allocate(targets)
+    maps = Maps()
     try:
-        for j, name in named.items():
-            if not name.stacked:
-                tensor = checkpoint.tensors[name.at(None)]
-                _fill_tensor(leaves[j], shards[j], buffers[j], tensor, maps, None)
-        # Layer by layer, in the order the files hold them.
-        for layer in range(num_layers or 0):
-            for j, name in named.items():
-                if name.stacked:
-                    tensor = checkpoint.tensors[name.at(layer)]
-                    _fill_tensor(leaves[j], shards[j], buffers[j], tensor, maps, layer)
+        reader = _Reader([leaves[j] for j in named], checkpoint, selected, maps)
+        fill_chunks(groups, compiled, buffers, reader.read, reader.release)
     except BaseException:
-        delete_arrays([b for bs in buffers.values() for b in bs])
+        delete_arrays(buffers)
         raise
-    return [
-        _assemble(leaf, buffers[j]) if j in named else leaf.source for j, leaf in enumerate(leaves)
-    ]
+    finally:
+        maps.close()
+    loaded = dict(zip(named, buffers, strict=True))
+    return [loaded[j] if j in loaded else leaf.source for j, leaf in enumerate(leaves)]
 
 
 def _load(
     path: Any,
     like: Any,
     names: Any,
+    *,
     dtype: DtypePolicy,
     sharding: Any,
     mesh: Any,
     layer_axis: Any,
+    layers: Any,
+    strict: bool,
     fn: str,
 ) -> Any:
     dtype = check_dtype_policy(dtype)
     layout, leaves, num_layers = _plan_leaves(like, names, dtype, sharding, mesh, layer_axis, fn)
+    selected = select_layers(layers, num_layers)
     checkpoint = open_checkpoint(path)
-    _check_tensors(leaves, checkpoint, num_layers)
-    maps = Maps()
-    try:
-        loaded = _load_into(leaves, checkpoint, num_layers, maps)
-    finally:
-        maps.close()
-    return layout.combine(loaded)
+    held = 0
+    if selected is not None:
+        held = check_layers(leaves, checkpoint, selected, layers_given=layers is not None)
+    check_tensors(leaves, checkpoint, selected, held)
+    if strict:
+        check_unmapped(leaves, checkpoint, selected, whole_model=fn == "load_tensors")
+    return layout.combine(_load_into(leaves, checkpoint, selected))
+
+
+def checkpoint_tensors(
+    path: str | os.PathLike | Sequence[str | os.PathLike],
+) -> dict[str, jax.ShapeDtypeStruct]:
+    """The tensors a checkpoint holds, read from its headers only: nothing is loaded.
+
+    Every header is checked as [`eqx_lean.load_tensors`][] checks it (a bad file is an error
+    naming it), so this is the way to compare a checkpoint with a configuration before loading
+    it, as the Mistral example's `load_hf` does with `config.json`:
+
+    ```python
+    stored = eqx_lean.checkpoint_tensors("Mistral-7B-v0.1/")
+    stored["model.layers.0.mlp.up_proj.weight"]  # ShapeDtypeStruct(shape=(14336, 4096), ...)
+    ```
+
+    **Arguments:**
+
+    - `path`: as for [`eqx_lean.load_stacked`][]: a directory, a safetensors file, a list of
+        them, or an index file.
+
+    **Returns:**
+
+    A dict from tensor name to a `jax.ShapeDtypeStruct` of its shape and stored dtype, in the
+    order the files hold them.
+    """
+    checkpoint = open_checkpoint(path)
+    return {
+        name: jax.ShapeDtypeStruct(tensor.shape, tensor.dtype)
+        for name, tensor in checkpoint.tensors.items()
+    }
 
 
 def load_tensors(
@@ -442,8 +321,10 @@ def load_tensors(
     sharding: ShardingPolicy = None,
     mesh: Mesh | None = None,
     layer_axis: LayerAxis = None,
+    layers: int | range | None = None,
+    strict: bool = True,
 ) -> M:
-    """Loads a model from safetensors files, straight into its final buffers.
+    """Loads a whole model from safetensors files, straight into its final buffers.
 
     Like [`eqx_lean.load_stacked`][], but for any model: a leaf whose name contains `{i}` is
     stacked (its leading axis is the layer axis, one tensor per layer), any other name is one
@@ -461,8 +342,10 @@ def load_tensors(
     )
     ```
 
-    Plain tensors are copied in pieces of at most 64 MiB (in the stored dtype), so a large
-    embedding stored in float32 never exists on the device in float32 as a whole.
+    The load is strict by default: the checkpoint must hold no layer beyond those loaded (see
+    `layers`) and no tensor that no leaf is named for, except the buffers `transformers`
+    computes from the config (names ending in `.rotary_emb.inv_freq`). So a checkpoint that
+    does not fit the model is an error that names what is extra, never a silent partial load.
 
     **Arguments:** as for [`eqx_lean.load_stacked`][]; `like` is the whole model, and `names`
     may mix templates with `{i}` and plain names. Paths given to `names`, `dtype` and `sharding`
@@ -472,13 +355,26 @@ def load_tensors(
     meaning: for a leaf named with `{i}` it is one layer's sharding (the layer axis is
     replicated, unless `layer_axis` names mesh axes for it); for a plain leaf it is the whole
     tensor's. A rule `(path, leaf)` sees one layer's `ShapeDtypeStruct` for the first and the
-    tensor's for the second.
+    tensor's for the second. With `strict=False`, tensors that no
+    leaf is named for are ignored, wherever they are (load a part of a checkpoint that way); the
+    layer count is still checked.
 
     **Returns:**
 
     The model with the structure of `like`, its array leaves loaded.
     """
-    return _load(path, like, names, dtype, sharding, mesh, layer_axis, "load_tensors")
+    return _load(
+        path,
+        like,
+        names,
+        dtype=dtype,
+        sharding=sharding,
+        mesh=mesh,
+        layer_axis=layer_axis,
+        layers=layers,
+        strict=strict,
+        fn="load_tensors",
+    )
 
 
 def load_stacked(
@@ -490,18 +386,29 @@ def load_stacked(
     sharding: ShardingPolicy = None,
     mesh: Mesh | None = None,
     layer_axis: LayerAxis = None,
+    layers: int | range | None = None,
+    strict: bool = True,
 ) -> M:
     """Loads stacked layers from safetensors files that store one tensor per layer.
 
-    Every stacked buffer is allocated once, in its target dtype (no random initialisation), and
-    filled one layer at a time by a compiled write that donates the buffer, casting on the
-    way. Each layer's tensor is read from a read-only memory map of the file, so its pages are
-    page cache rather than a private copy: the process holds the loaded model plus one tensor,
-    never a second copy of the stack and never a float32 copy of a bfloat16 model.
+    Every stacked buffer is allocated once, in its target dtype and sharding (no random
+    initialisation), then filled in place from read-only memory maps of the files (page cache,
+    not a private copy), casting on the way: on CPU, each device's slice of each layer is copied
+    with NumPy straight into the buffer's memory; elsewhere, by compiled writes that donate the
+    buffers, each call a few rows of one layer of every leaf, at most 4 MiB in all, one program
+    for all the leaves and every device. The process holds the loaded model plus a few MiB,
+    whatever the size of its largest tensor: never a second copy of the stack, never a whole
+    tensor on the side, never a float32 copy of a bfloat16 model.
 
     Every file header, tensor name, shape and dtype is checked before anything is allocated, so a
     bad checkpoint fails with a clear message and writes nothing. Pickle checkpoints (`.bin`,
     `.pt`) are refused: they can run code when loaded.
+
+    A checkpoint that holds more layers than `like` is an error that names both counts (pass
+    `layers` to load only some), and so is a per-layer tensor of a loaded layer that no leaf is
+    named for (a tensor named like the templates, `model.layers.{i}.…`, that the model lacks;
+    `strict=False` ignores those). Tensors outside the templates' pattern (an embedding, a head)
+    are not this function's business.
 
     ```python
     like = eqx.filter_eval_shape(eqx_lean.build_stacked, make_block, keys, jnp.bfloat16)
@@ -513,7 +420,8 @@ def load_stacked(
 
     - `path`: a directory holding `model.safetensors.index.json` (as Hugging Face writes
         sharded checkpoints) or `*.safetensors` files, one safetensors file, a list of them, or
-        an index file.
+        an index file. The index may name only files in its own directory (plain file names;
+        a file that is a symbolic link, as in the Hugging Face cache, is fine).
     - `like`: the stacked model to load into; its array leaves may be `jax.ShapeDtypeStruct`s
         (for example from `eqx.filter_eval_shape(eqx_lean.build_stacked, ...)`) or arrays, of
         which only the shape and dtype are used (they are never modified). Non-array leaves and
@@ -540,12 +448,33 @@ def load_stacked(
         `ShapeDtypeStruct`s of `like` are used; they must replicate the layer axis. Each device
         reads and receives only its own slice of each layer.
     - `mesh`: the `jax.sharding.Mesh` that `PartitionSpec`s refer to (default: the mesh set
-        by `jax.set_mesh`, if any).
+        by `jax.set_mesh`, if any). Shardings of `like` on an abstract mesh (as
+        `eqx.filter_eval_shape` of a sharded build gives) are placed on it; without one, on
+        `jax.make_mesh` of the same axis sizes and names over every device.
     - `layer_axis`: the mesh axis (or axes) to shard the layer axis itself over, for pipeline
         stages; `None` (the default) replicates it, as `fold` and `scan` expect.
+    - `layers`: which checkpoint layers to load, one per layer of `like`: `None` (the default)
+        loads them all, and the checkpoint must hold exactly as many layers as `like`; an int
+        `N` loads the first `N` (`like` has `N` layers); a `range` loads those layers, in order
+        (`layers=range(16, 32)` loads the second half of a 32-layer checkpoint into a 16-layer
+        `like`). Tensors of the other layers are ignored.
+    - `strict`: whether a per-layer tensor of a loaded layer that no leaf is named for is an
+        error (the default), or ignored. Buffers that `transformers` computes from the config
+        (names ending in `.rotary_emb.inv_freq`) are always ignored.
 
     **Returns:**
 
     The stacked model, with the structure of `like`.
     """
-    return _load(path, like, names, dtype, sharding, mesh, layer_axis, "load_stacked")
+    return _load(
+        path,
+        like,
+        names,
+        dtype=dtype,
+        sharding=sharding,
+        mesh=mesh,
+        layer_axis=layer_axis,
+        layers=layers,
+        strict=strict,
+        fn="load_stacked",
+    )

@@ -12,6 +12,7 @@ import mmap
 import os
 import struct
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple, TypeGuard
@@ -153,13 +154,19 @@ def _read_header(path: Path) -> dict[str, Tensor]:
         if len(head) < 8:
             raise _bad_file(path, f"it holds {size} bytes, fewer than the 8-byte header length")
         (header_len,) = struct.unpack("<Q", head)
-        if header_len > min(size - 8, _MAX_HEADER_BYTES):
-            if _looks_like_pickle(head):
-                raise pickle_error(path)
+        if header_len > size - 8 and _looks_like_pickle(head):
+            raise pickle_error(path)
+        if header_len > size - 8:
             raise _bad_file(
                 path,
-                f"its header length field says {header_len} bytes but the file holds {size} "
-                f"(and headers are limited to {_MAX_HEADER_BYTES} bytes)",
+                f"its header length field says {header_len} bytes, but only {size - 8} bytes "
+                f"follow the 8-byte length field (the file holds {size} bytes in all)",
+            )
+        if header_len > _MAX_HEADER_BYTES:
+            raise _bad_file(
+                path,
+                f"its header length field says {header_len} bytes, more than the "
+                f"{_MAX_HEADER_BYTES} bytes a safetensors header may have",
             )
         raw = f.read(header_len)
     try:
@@ -178,6 +185,29 @@ def _read_header(path: Path) -> dict[str, Tensor]:
     return dict(entries)
 
 
+def _plain_file_name(index_path: Path, tensor: str, file: Any) -> str:
+    """An index entry, which must name a file in the index's own directory.
+
+    The file itself may be a symbolic link (as in the Hugging Face cache, where
+    `snapshots/<revision>/model-00001-of-00002.safetensors` links to `../../blobs/<hash>`):
+    the entry is what must stay inside, not the link's target.
+    """
+    plain = (
+        isinstance(file, str)
+        and file not in ("", ".", "..")
+        and "/" not in file
+        and "\\" not in file
+        and Path(file).name == file
+    )
+    if not plain:
+        raise ValueError(
+            f"{index_path} names {file!r} as the file of tensor {tensor!r}, but index entries "
+            f"must be plain file names in the checkpoint's directory {index_path.parent} (no "
+            "directory, no absolute path, no '..')."
+        )
+    return file
+
+
 def _files_of_index(index_path: Path) -> tuple[list[Path], dict[str, Path]]:
     try:
         index = json.loads(index_path.read_text())
@@ -189,7 +219,10 @@ def _files_of_index(index_path: Path) -> tuple[list[Path], dict[str, Path]]:
             f"{index_path} must be a JSON object with a `weight_map` object from tensor names to "
             f"file names, as Hugging Face writes it; reading it failed: {e!r}"
         ) from None
-    expected = {name: index_path.parent / file for name, file in weight_map.items()}
+    expected = {
+        name: index_path.parent / _plain_file_name(index_path, name, file)
+        for name, file in weight_map.items()
+    }
     files = sorted(set(expected.values()))
     for file in files:
         if not file.is_file():
@@ -266,19 +299,24 @@ def open_checkpoint(path: Any) -> Checkpoint:
 
 
 class Maps:
-    """Read-only memory maps of a checkpoint's files, opened on first use."""
+    """Read-only memory maps of a checkpoint's files, opened on first use (thread-safe)."""
 
     def __init__(self):
         self._maps: dict[Path, mmap.mmap] = {}
+        self._lock = threading.Lock()
+
+    def _map(self, file: Path) -> mmap.mmap:
+        with self._lock:
+            if file not in self._maps:
+                with open(file, "rb") as f:
+                    self._maps[file] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            return self._maps[file]
 
     def view(self, tensor: Tensor) -> np.ndarray:
         if tensor.stop == tensor.start:
             return np.zeros(tensor.shape, tensor.dtype)
-        if tensor.file not in self._maps:
-            with open(tensor.file, "rb") as f:
-                self._maps[tensor.file] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         count = math.prod(tensor.shape)
-        flat = np.frombuffer(self._maps[tensor.file], tensor.dtype, count, tensor.start)
+        flat = np.frombuffer(self._map(tensor.file), tensor.dtype, count, tensor.start)
         return flat.reshape(tensor.shape)
 
     def release(self, tensor: Tensor) -> None:

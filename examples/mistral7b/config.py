@@ -154,7 +154,23 @@ class MistralConfig:
         if os.path.isdir(path):
             path = os.path.join(path, "config.json")
         with open(path) as f:
-            return cls.from_hf(json.load(f))
+            text = f.read()
+        try:
+            hf = json.loads(text)
+        except json.JSONDecodeError as e:
+            empty = " (the file is empty: was it truncated?)" if not text.strip() else ""
+            raise ValueError(
+                f"{path} must hold a JSON object (a HuggingFace config), but it is not valid "
+                f"JSON{empty}: {e.msg} at line {e.lineno}, column {e.colno}."
+            ) from None
+        if not isinstance(hf, dict):
+            raise ValueError(
+                f"{path} must hold a JSON object (a HuggingFace config); got a {type(hf).__name__}."
+            )
+        try:
+            return cls.from_hf(hf)
+        except (ValueError, TypeError) as e:
+            raise type(e)(f"{path} is not a Mistral config this example reads: {e}") from e
 
     def to_hf(self) -> dict[str, Any]:
         """The transformers-5 `config.json` dictionary for this configuration."""

@@ -22,7 +22,6 @@ from .model import (
     RMSNorm,
     _linear_from_weight,
     _resolve_dtype,
-    init,
     make_block,
 )
 
@@ -169,15 +168,94 @@ def _hf_name(path: Any, leaf: Any) -> str:
 
 
 def abstract_model(config: MistralConfig, dtype: Any = None) -> Mistral:
-    """The model's structure with `jax.ShapeDtypeStruct` leaves: nothing is allocated."""
-    return eqx.filter_eval_shape(init, config, key=jax.random.key(0), dtype=dtype)
+    """The model's structure with `jax.ShapeDtypeStruct` leaves: nothing is allocated.
+
+    The same structure as `eqx.filter_eval_shape(init, config, ...)`, traced without
+    `build_stacked`'s machinery (one block under `filter_vmap`), and without running anything.
+    """
+    dtype = _resolve_dtype(config, dtype)
+
+    def cast(x: Any) -> Any:
+        return x.astype(dtype) if eqx.is_inexact_array(x) else x
+
+    def block(key: Any) -> DecoderBlock:
+        return make_block(config, key=key)
+
+    def build() -> Mistral:
+        # Inside the trace: creating the key runs nothing.
+        keys = jax.random.split(jax.random.key(0), config.num_hidden_layers)
+        layers = eqx.filter_vmap(block)(keys)
+        matrix = jnp.zeros((config.vocab_size, config.hidden_size), dtype)
+        return Mistral(
+            embed_tokens=eqx.nn.Embedding(weight=matrix),
+            layers=jax.tree.map(cast, layers),
+            norm=RMSNorm(jnp.ones((config.hidden_size,), dtype), config.rms_norm_eps),
+            lm_head=_linear_from_weight(matrix),
+            config=config,
+        )
+
+    return eqx.filter_eval_shape(build)
 
 
-def load_hf(path: str | os.PathLike, *, dtype: Any = None, sharding: Any = None) -> Mistral:
+_LAYER_PREFIX = "model.layers."
+
+
+def _stored_layers(stored: dict[str, Any]) -> int:
+    """How many layers the weights hold: one more than the highest `model.layers.{n}.` index."""
+    indices = [
+        name[len(_LAYER_PREFIX) :].split(".", 1)[0]
+        for name in stored
+        if name.startswith(_LAYER_PREFIX)
+    ]
+    return 1 + max((int(n) for n in indices if n.isdecimal()), default=-1)
+
+
+def _check_config(path: str, config: MistralConfig, like: Mistral, strict: bool) -> None:
+    """`config.json` must describe the weights: their layer count and every tensor's shape."""
+    config_file = os.path.join(path, "config.json")
+    stored = eqx_lean.checkpoint_tensors(path)
+    held, expected = _stored_layers(stored), config.num_hidden_layers
+    if held < expected or (strict and held > expected):
+        hint = (
+            f"Fix config.json, or pass `strict=False` to load its first {expected} layers."
+            if held > expected
+            else "Fix config.json."
+        )
+        raise ValueError(
+            f"{config_file} says num_hidden_layers={expected}, but the weights in {path} hold "
+            f"{held} layers ('{_LAYER_PREFIX}0.…' to '{_LAYER_PREFIX}{held - 1}.…'). {hint}"
+        )
+    for leaf_path, leaf in jax.tree_util.tree_leaves_with_path(like):
+        if not isinstance(leaf, jax.ShapeDtypeStruct):
+            continue
+        template = _hf_name(leaf_path, leaf)
+        stacked = "{i}" in template
+        shape = leaf.shape[1:] if stacked else leaf.shape
+        for name in [template.format(i=i) for i in range(expected)] if stacked else [template]:
+            if name in stored and stored[name].shape != shape:
+                raise ValueError(
+                    f"{config_file} does not match the weights in {path}: it gives tensor "
+                    f"{name!r} the shape {list(shape)}, but the weights hold "
+                    f"{list(stored[name].shape)}."
+                )
+
+
+def load_hf(
+    path: str | os.PathLike,
+    *,
+    dtype: Any = None,
+    sharding: Any = None,
+    strict: bool = True,
+) -> Mistral:
     """Loads a HuggingFace Mistral checkpoint directory with [`eqx_lean.load_tensors`][].
 
-    Every tensor is streamed from a memory map of its file into buffers allocated once in
-    `dtype`, one layer at a time, so the process holds the model plus one tensor.
+    Every tensor is copied from a memory map of its file straight into buffers allocated once
+    in `dtype`, so the process holds the model plus a few MiB.
+
+    The load is strict: `config.json` must describe the weights (the same number of layers,
+    every tensor's shape), and every tensor of the checkpoint must be loaded, except the buffers
+    `transformers` computes from the config (`*.rotary_emb.inv_freq`). A mismatch is an error
+    that names the file and what differs, before anything is allocated.
 
     **Arguments:**
 
@@ -185,7 +263,10 @@ def load_hf(path: str | os.PathLike, *, dtype: Any = None, sharding: Any = None)
         `model.safetensors.index.json` (as written by `save_pretrained` or [`save_hf`][]).
     - `dtype`: the model's dtype; `None` means the checkpoint's (`config.json`'s `dtype`).
     - `sharding`: as for [`eqx_lean.load_tensors`][]: `None`, one `jax.sharding.Sharding` for
-        every leaf, or a pytree of shardings with the model's structure.
+        every leaf, a pytree of shardings with the model's structure, or a rule such as
+        [`eqx_lean.fsdp`][].
+    - `strict`: `False` loads the layers `config.json` asks for even if the weights hold more,
+        and ignores tensors the model has no leaf for. Shapes must match either way.
 
     **Returns:**
 
@@ -195,7 +276,11 @@ def load_hf(path: str | os.PathLike, *, dtype: Any = None, sharding: Any = None)
     config = MistralConfig.from_json(path)
     _require_weights(path)
     like = abstract_model(config, _resolve_dtype(config, dtype))
-    return eqx_lean.load_tensors(path, like, _hf_name, sharding=sharding)
+    _check_config(path, config, like, strict)
+    layers = None if strict else config.num_hidden_layers
+    return eqx_lean.load_tensors(
+        path, like, _hf_name, sharding=sharding, layers=layers, strict=strict
+    )
 
 
 def save_hf(

@@ -1,0 +1,365 @@
+"""Host data written into preallocated, possibly sharded buffers, in bounded pieces.
+
+The loaders' engine. Buffers are allocated once (`allocate_targets`), then filled in one of two
+ways:
+
+- on CPU (`Tricks.host_writes`), device memory is host memory: each shard of each layer is
+  copied with NumPy straight from the file's memory map into the buffer's memory, casting on
+  the way. Nothing is compiled and nothing is staged.
+- elsewhere, by compiled writes that donate the buffers: each call writes a few rows of every
+  buffer of a group (of one layer, for stacked buffers), so a call's values never exceed
+  `max_chunk_bytes` (plus one row of each buffer), whatever the size of the largest tensor.
+  One program is compiled per group of buffers that share a kind (stacked or not) and a mesh,
+  not per buffer, nor per device: on a mesh the write is a `shard_map` in which every device
+  writes its own chunk at the same local offsets, so one compiled program serves every device.
+"""
+
+import concurrent.futures
+import math
+import os
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, Sharding
+from jaxtyping import Array
+
+from .. import _platform
+from .chunk_writes import (
+    ALIGN,
+    compile_chunk_writes as compile_chunk_writes,
+    compile_group,
+    fill_compiled,
+    lower_chunk_write as lower_chunk_write,
+)
+from .writes import allocate, delete_arrays
+
+
+HOST_WRITES = True
+"""Whether buffers on a platform with `Tricks.host_writes` (CPU) are written in place with
+NumPy. `False` compiles chunk writes everywhere, as on GPU and TPU: a documented internal switch
+for tests and benchmarks of that path on CPU."""
+
+
+class Target(NamedTuple):
+    """One buffer to fill from host data.
+
+    **Attributes:**
+
+    - `struct`: the buffer's full shape and dtype (a stacked buffer has the layer axis first).
+    - `sharding`: its full sharding (`None`: the default device, uncommitted).
+    - `stacked`: whether the leading axis is the layer axis, filled one layer at a time.
+    - `source_dtype`: the dtype of the host values, cast to `struct.dtype` by the write.
+    """
+
+    struct: jax.ShapeDtypeStruct
+    sharding: Sharding | None
+    stacked: bool
+    source_dtype: np.dtype
+
+
+# `read(target, layer, index)`: the host values of `target` at `index` (in the target's axis
+# order; for a stacked target, an index into one layer, whose global index is `layer`).
+Reader = Callable[[int, int | None, tuple[slice, ...]], np.ndarray]
+# `release(targets, layer)`: the reader will not be asked for that layer of those targets again.
+Releaser = Callable[[Sequence[int], int | None], None]
+
+
+def bounded(index: Any, shape: tuple[int, ...]) -> tuple[slice, ...]:
+    """`index` (a tuple of slices, possibly short or open) with explicit bounds on every axis."""
+    index = tuple(index or ()) + (slice(None),) * (len(shape) - len(index or ()))
+    return tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape, strict=True))
+
+
+class ChunkPart(NamedTuple):
+    """One target inside a group, as its compiled write sees it."""
+
+    target: int
+    stacked: bool
+    regions: tuple[tuple[Any, tuple[slice, ...]], ...]  # (device, its shard of the buffer)
+    local: tuple[int, ...]  # every device's shard shape
+    rows: int  # rows written per call along `row_axis` (0: no row axis, the whole shard)
+    value: jax.ShapeDtypeStruct  # the global value of one call, with its sharding
+
+    @property
+    def row_axis(self) -> int:
+        return 1 if self.stacked else 0
+
+    def staged_bytes(self) -> int:
+        """The most host bytes one call stages for this part (alignment padding included)."""
+        distinct = _distinct(self.regions)
+        itemsize = np.dtype(self.value.dtype).itemsize
+        per_shard = (
+            math.prod(self.value.sharding.shard_shape(self.value.shape))
+            if isinstance(self.value.sharding, NamedSharding)
+            else math.prod(self.value.shape)
+        )
+        return distinct * (per_shard * itemsize + ALIGN)
+
+
+class ChunkGroup(NamedTuple):
+    stacked: bool
+    mesh: Any  # a `Mesh` for named shardings, else None
+    parts: tuple[ChunkPart, ...]
+    calls: int  # calls per (local) layer
+    buffers: tuple[jax.ShapeDtypeStruct, ...]  # with their shardings, for lowering
+    host: bool  # filled by host writes (CPU), not by a compiled write
+
+    @property
+    def local_layers(self) -> int:
+        return self.parts[0].local[0] if self.stacked else 1
+
+
+def _regions(target: Target) -> tuple[tuple[Any, tuple[slice, ...]], ...]:
+    shape = target.struct.shape
+    if target.sharding is None:
+        return ((None, bounded((), shape)),)
+    indices = target.sharding.addressable_devices_indices_map(shape)
+    return tuple((device, bounded(index, shape)) for device, index in indices.items())
+
+
+def _distinct(regions: Sequence[tuple[Any, tuple[slice, ...]]]) -> int:
+    """How many distinct shards there are (replicas hold the same one)."""
+    return len({tuple((s.start, s.stop) for s in region) for _, region in regions})
+
+
+def _local_shape(target: Target) -> tuple[int, ...]:
+    if target.sharding is None:
+        return tuple(target.struct.shape)
+    return tuple(target.sharding.shard_shape(target.struct.shape))
+
+
+def _group_key(target: Target) -> tuple[Any, ...]:
+    if isinstance(target.sharding, NamedSharding):
+        return (target.stacked, "mesh", target.sharding.mesh)
+    return (target.stacked, "sharding", target.sharding)
+
+
+def _value_struct(target: Target, local_value: tuple[int, ...]) -> jax.ShapeDtypeStruct:
+    """The global array holding every device's chunk: the buffer's sharding, smaller shape."""
+    sharding = target.sharding
+    if not isinstance(sharding, NamedSharding):
+        return jax.ShapeDtypeStruct(local_value, target.source_dtype, sharding=sharding)
+    local = _local_shape(target)
+    shape = tuple(
+        v * (n // m) if m else v
+        for v, n, m in zip(local_value, target.struct.shape, local, strict=True)
+    )
+    return jax.ShapeDtypeStruct(shape, target.source_dtype, sharding=sharding)
+
+
+def _plan_group(
+    targets: Sequence[Target],
+    members: Sequence[int],
+    max_chunk_bytes: int,
+    host_writes: bool | None,
+) -> ChunkGroup:
+    first = targets[members[0]]
+    stacked = first.stacked
+    row_axis = 1 if stacked else 0
+    # Bytes per row (every distinct shard: replicas read the same host data once).
+    row_bytes, row_counts = [], []
+    for j in members:
+        local = _local_shape(targets[j])
+        distinct = _distinct(_regions(targets[j]))
+        has_rows = len(local) > row_axis
+        rows = local[row_axis] if has_rows else 1
+        rest = math.prod(local[row_axis + 1 :]) if has_rows else 1
+        row_bytes.append(rest * np.dtype(targets[j].source_dtype).itemsize * distinct)
+        row_counts.append(rows if has_rows else 0)
+    total = sum(b * max(n, 1) for b, n in zip(row_bytes, row_counts, strict=True))
+    calls = max(1, math.ceil(total / max(1, max_chunk_bytes)))
+    calls = min(calls, max(row_counts) or 1)  # no more calls than the longest part has rows
+    parts = []
+    for j, count in zip(members, row_counts, strict=True):
+        target = targets[j]
+        local = _local_shape(target)
+        rows = math.ceil(count / calls) if count else 0
+        value_local = list(local)
+        if stacked:
+            value_local[0] = 1
+        if count:
+            value_local[row_axis] = rows
+        value = _value_struct(target, tuple(value_local))
+        parts.append(ChunkPart(j, stacked, _regions(target), local, rows, value))
+    buffers = tuple(
+        jax.ShapeDtypeStruct(
+            targets[j].struct.shape, targets[j].struct.dtype, sharding=targets[j].sharding
+        )
+        for j in members
+    )
+    mesh = first.sharding.mesh if isinstance(first.sharding, NamedSharding) else None
+    host = _on_host(first, host_writes)
+    return ChunkGroup(stacked, mesh, tuple(parts), calls, buffers, host)
+
+
+def plan_chunks(
+    targets: Sequence[Target], max_chunk_bytes: int, host_writes: bool | None = None
+) -> list[ChunkGroup]:
+    """Groups the targets by kind and mesh, and sizes each group's chunks.
+
+    **Arguments:**
+
+    - `targets`: the buffers to fill.
+    - `max_chunk_bytes`: the host bytes (in the source dtype) one call may write, over every
+        buffer of its group and every distinct shard; a call writes at least one row of each.
+    - `host_writes`: whether groups on a platform with `Tricks.host_writes` (CPU) are written
+        in place with NumPy; `False` compiles writes for every group; `None`: `HOST_WRITES`.
+
+    **Returns:**
+
+    The groups, each to be filled by one compiled program.
+    """
+    by_key: dict[Any, list[int]] = {}
+    for j, target in enumerate(targets):
+        if math.prod(target.struct.shape) == 0:
+            continue  # nothing to write: the zeros it is allocated with are its value
+        by_key.setdefault(_group_key(target), []).append(j)
+    return [
+        _plan_group(targets, members, max_chunk_bytes, host_writes) for members in by_key.values()
+    ]
+
+
+# --- allocation -------------------------------------------------------------------------------
+
+
+def _on_host(target: Target, host_writes: bool | None) -> bool:
+    platform = _platform.platform_of([target.sharding])
+    enabled = HOST_WRITES if host_writes is None else host_writes
+    return enabled and _platform.Tricks.for_platform(platform).host_writes
+
+
+def _host_zeros(target: Target) -> Array:
+    """A zero buffer copied from `np.zeros` (untouched pages): nothing is compiled."""
+    dtype = np.dtype(target.struct.dtype)
+    if target.sharding is None:
+        return jax.device_put(np.zeros(target.struct.shape, dtype), may_alias=False)
+    shape = tuple(target.sharding.shard_shape(target.struct.shape))
+    devices = target.sharding.addressable_devices_indices_map(target.struct.shape)
+    shards = [jax.device_put(np.zeros(shape, dtype), d, may_alias=False) for d in devices]
+    return jax.make_array_from_single_device_arrays(target.struct.shape, target.sharding, shards)
+
+
+def allocate_targets(targets: Sequence[Target], host_writes: bool | None = None) -> list[Array]:
+    """Zero-filled buffers for `targets`, each with its (full) sharding.
+
+    Where host writes apply (CPU), each buffer is copied from `np.zeros`, which compiles
+    nothing; elsewhere one computation per placement (a mesh, a sharding, the default device)
+    creates them, each device allocating only its shards.
+    """
+    buffers: list[Any] = [None] * len(targets)
+    by_placement: dict[Any, list[int]] = {}
+    for j, target in enumerate(targets):
+        if _on_host(target, host_writes):
+            buffers[j] = _host_zeros(target)
+        else:
+            sharding = target.sharding
+            key = sharding.mesh if isinstance(sharding, NamedSharding) else sharding
+            by_placement.setdefault(key, []).append(j)
+    for members in by_placement.values():
+        made = allocate(
+            tuple(targets[j].struct for j in members),
+            tuple(targets[j].sharding for j in members),
+        )
+        for j, buffer in zip(members, made, strict=True):
+            buffers[j] = buffer
+    return buffers
+
+
+def _host_views(buffer: Array) -> list[tuple[np.ndarray, tuple[slice, ...]]] | None:
+    """A writable view of each addressable shard's memory, with the shard's region."""
+    views = []
+    for shard in buffer.addressable_shards:
+        view = _platform.host_view(shard.data)
+        if view is None:
+            return None
+        views.append((view, bounded(shard.index, buffer.shape)))
+    return views
+
+
+def _copy(task: tuple[np.ndarray, int, int | None, tuple[slice, ...]], read: Reader) -> None:
+    destination, target, layer, index = task
+    np.copyto(destination, read(target, layer, index), casting="unsafe")
+
+
+_HOST_PIECE_BYTES = 16 * 2**20  # copies are cut into pieces this big, spread over the threads
+
+
+def _row_pieces(
+    task: tuple[np.ndarray, int, int | None, tuple[slice, ...]],
+) -> list[tuple[np.ndarray, int, int | None, tuple[slice, ...]]]:
+    """A copy cut along its first axis, so that the threads share a large tensor."""
+    destination, target, layer, index = task
+    if destination.ndim == 0 or destination.nbytes <= _HOST_PIECE_BYTES:
+        return [task]
+    rows = destination.shape[0]
+    step = max(1, rows * _HOST_PIECE_BYTES // destination.nbytes)
+    first = index[0].start
+    return [
+        (
+            destination[a : a + step],
+            target,
+            layer,
+            (slice(first + a, first + min(a + step, rows)), *index[1:]),
+        )
+        for a in range(0, rows, step)
+    ]
+
+
+def _fill_host(
+    group: ChunkGroup,
+    views: Sequence[list[tuple[np.ndarray, tuple[slice, ...]]]],
+    read: Reader,
+    release: Releaser,
+    pool: concurrent.futures.Executor,
+) -> None:
+    """Copies every shard of every layer straight into the buffers' memory (CPU only)."""
+    members = [p.target for p in group.parts]
+    for local_layer in range(group.local_layers):
+        tasks, layers = [], set()
+        for part, shards in zip(group.parts, views, strict=True):
+            for view, region in shards:
+                if group.stacked:
+                    layer = region[0].start + local_layer
+                    tasks.append((view[local_layer, ...], part.target, layer, region[1:]))
+                    layers.add(layer)
+                else:
+                    tasks.append((view, part.target, None, region))
+                    layers.add(None)
+        pieces = [piece for task in tasks for piece in _row_pieces(task)]
+        for done in pool.map(lambda piece: _copy(piece, read), pieces):
+            del done
+        for layer in sorted(layers, key=lambda x: -1 if x is None else x):
+            release(members, layer)
+
+
+def fill_chunks(
+    groups: Sequence[ChunkGroup],
+    compiled: Sequence[jax.stages.Compiled | None],
+    buffers: list[Array],
+    read: Reader,
+    release: Releaser,
+) -> None:
+    """Fills `buffers` (indexed like the targets, freshly allocated and owned by the caller)
+    from `read`, group by group, layer by layer. On failure the buffers are deleted.
+
+    Compiled writes (`chunk_writes.fill_compiled`) stage a call's values while the previous call
+    runs, so at most two calls' values are alive at once.
+    """
+    workers = max(1, min(4, os.cpu_count() or 1))
+    try:
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            for group, write in zip(groups, compiled, strict=True):
+                views = None
+                if group.host:
+                    jax.block_until_ready([buffers[p.target] for p in group.parts])
+                    views = [_host_views(buffers[p.target]) for p in group.parts]
+                if views is not None and all(v is not None for v in views):
+                    _fill_host(group, views, read, release, pool)  # pyright: ignore
+                    continue
+                write = compile_group(group) if write is None else write
+                fill_compiled(group, write, buffers, read, release)
+    except BaseException:
+        delete_arrays(buffers)
+        raise

@@ -1,0 +1,112 @@
+"""The chunked write engine of loads (`eqx_lean/_core/chunks.py`): how it cuts buffers into
+calls, and what a compiled chunk write needs beside its buffers (compiled only)."""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from eqx_lean._core import chunk_writes, chunks, memory_analysis
+
+
+REPO = Path(__file__).resolve().parent.parent
+MIB = 2**20
+
+
+def target(shape, dtype=jnp.bfloat16, stacked=True, source=np.float32, sharding=None):
+    struct = jax.ShapeDtypeStruct(shape, dtype)
+    return chunks.Target(struct, sharding, stacked, np.dtype(source))
+
+
+# Mistral-7B-shaped: one block's leaves (stacked over 32 layers) and the embedding and head.
+BLOCK = [(4096,), (4096, 4096), (1024, 4096), (1024, 4096), (4096, 4096), (4096,)]
+BLOCK += [(14336, 4096), (14336, 4096), (4096, 14336)]
+
+
+def test_calls_cover_every_row_within_the_chunk_budget():
+    targets = [target((32, *shape)) for shape in BLOCK]
+    targets += [target((32000, 4096), stacked=False), target((4096,), stacked=False)]
+    (stacked, plain) = chunks.plan_chunks(targets, 4 * MIB, host_writes=False)
+    for group in (stacked, plain):
+        staged = sum(p.staged_bytes() for p in group.parts)
+        one_row = sum(
+            int(np.prod(p.local[p.row_axis + 1 :])) * 4 + chunks.ALIGN for p in group.parts
+        )
+        assert staged <= 4 * MIB + one_row, (staged, one_row)
+        for part in group.parts:
+            rows = part.local[part.row_axis]
+            starts = {
+                int(chunk_writes._call_offsets(group, 0, call)[1 + group.parts.index(part)])
+                for call in range(group.calls)
+            }
+            covered = set().union(*(range(s, s + part.rows) for s in starts))
+            assert covered == set(range(rows)), part.target
+    assert stacked.local_layers == 32 and plain.local_layers == 1
+
+
+def test_compiled_write_needs_at_most_one_chunk_beside_its_buffers():
+    """float32 values cast into bfloat16 Mistral-7B buffers (13.5 GiB, compiled only): the
+    write's temporaries are at most the chunk (the cast values), never a tensor or a layer."""
+    targets = [target((32, *shape)) for shape in BLOCK]
+    targets += [target((32000, 4096), stacked=False), target((32000, 4096), stacked=False)]
+    for group in chunks.plan_chunks(targets, 4 * MIB, host_writes=False):
+        analysis = memory_analysis(chunks.lower_chunk_write(group).compile())
+        buffers = sum(int(np.prod(b.shape)) * 2 for b in group.buffers)
+        assert analysis.alias_size_in_bytes == buffers  # updated in place
+        assert analysis.temp_size_in_bytes <= 4 * MIB, analysis.temp_size_in_bytes
+
+
+def test_sharded_compiled_write_is_one_program_for_every_device(tmp_path):
+    script = tmp_path / "script.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import jax, jax.numpy as jnp, numpy as np
+            from jax.sharding import NamedSharding, PartitionSpec as P
+            from eqx_lean._core import chunks, memory_analysis
+
+            mesh = jax.make_mesh((8,), ("data",))
+            def target(shape, spec, stacked=True):
+                struct = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+                sharding = NamedSharding(mesh, spec)
+                return chunks.Target(struct, sharding, stacked, np.dtype(np.float32))
+            targets = [target((32, 14336, 4096), P(None, "data")),
+                       target((32, 4096, 14336), P(None, None, "data")),
+                       target((32, 4096), P()),
+                       target((32000, 4096), P("data"), stacked=False)]
+            for group in chunks.plan_chunks(targets, 4 * 2**20, host_writes=False):
+                analysis = chunks.lower_chunk_write(group).compile().memory_analysis()
+                per_device = sum(
+                    int(np.prod(b.sharding.shard_shape(b.shape))) * 2 for b in group.buffers)
+                assert analysis.alias_size_in_bytes == per_device, analysis
+                # The chunk is spread over the devices: a device's cast values are its share.
+                assert analysis.temp_size_in_bytes <= 4 * 2**20 // 8 + 64 * 1024, analysis
+            print("ok")
+            """
+        )
+    )
+    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+
+
+@pytest.mark.parametrize("host_writes", [True, False])
+def test_zero_size_buffers_are_allocated_and_left_alone(host_writes):
+    targets = [target((3, 0, 4)), target((2, 5), stacked=False)]
+    groups = chunks.plan_chunks(targets, MIB, host_writes=host_writes)
+    assert [p.target for g in groups for p in g.parts] == [1]
+    buffers = chunks.allocate_targets(targets, host_writes=host_writes)
+    assert [b.shape for b in buffers] == [(3, 0, 4), (2, 5)]
+    values = np.arange(10, dtype=np.float32).reshape(2, 5)
+    compiled = chunks.compile_chunk_writes(groups)
+    chunks.fill_chunks(
+        groups, compiled, buffers, lambda j, layer, index: values[index], lambda *_: None
+    )
+    np.testing.assert_array_equal(np.asarray(buffers[1], np.float32), values)

@@ -1,0 +1,505 @@
+"""Loading (`eqx_lean/_io/load.py`, `checks.py`): loads refuse what does not fit, `layers=`,
+`strict=`, abstract meshes in `like`, and the memory of a load (host writes on CPU, compiled
+chunk writes elsewhere, both run here).
+
+(The older load tests, round trips and header checks, are in `tests/test_io.py`.)"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+import safetensors.numpy
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import eqx_lean
+from eqx_lean import _io
+from eqx_lean._core import chunks
+
+
+REPO = Path(__file__).resolve().parent.parent
+L = 4
+NAMES = {"w": "model.layers.{i}.w", "b": "model.layers.{i}.b"}
+PLAIN = {"emb": "model.embed.weight"}
+
+
+def like(num_layers=L, dtype=jnp.float32):
+    return {
+        "w": jax.ShapeDtypeStruct((num_layers, 6, 3), dtype),
+        "b": jax.ShapeDtypeStruct((num_layers, 3), dtype),
+    }
+
+
+def whole_like(num_layers=L):
+    return like(num_layers) | {"emb": jax.ShapeDtypeStruct((10, 3), jnp.float32)}
+
+
+def stored(num_layers, seed=0, extra=()):
+    """Checkpoint tensors: `num_layers` layers of w and b, an embedding, and `extra` names."""
+    rng = np.random.default_rng(seed)
+    tensors = {"model.embed.weight": rng.standard_normal((10, 3), dtype=np.float32)}
+    for i in range(num_layers):
+        tensors[f"model.layers.{i}.w"] = rng.standard_normal((6, 3), dtype=np.float32)
+        tensors[f"model.layers.{i}.b"] = rng.standard_normal(3, dtype=np.float32)
+    for name in extra:
+        tensors[name] = rng.standard_normal(2, dtype=np.float32)
+    return tensors
+
+
+def save(tmp_path, tensors, name="model.safetensors"):
+    path = tmp_path / "ckpt"
+    path.mkdir(parents=True, exist_ok=True)
+    safetensors.numpy.save_file(tensors, path / name)
+    return path
+
+
+def layers_of(tensors, key, layers):
+    return np.stack([tensors[f"model.layers.{i}.{key}"] for i in layers])
+
+
+@pytest.fixture
+def no_allocation(monkeypatch):
+    def fail(*args, **kwargs):
+        raise AssertionError("a buffer was allocated")
+
+    monkeypatch.setattr(_io.load, "_allocate", fail)
+
+
+@pytest.fixture(params=[True, False], ids=["host_writes", "compiled_writes"])
+def writes(request, monkeypatch):
+    """Both ways of filling buffers: host writes (CPU's) and compiled chunk writes (other
+    platforms'), with pieces small enough that every tensor takes several copies or calls."""
+    monkeypatch.setattr(chunks, "HOST_WRITES", request.param)
+    monkeypatch.setattr(chunks, "_HOST_PIECE_BYTES", 24)
+    monkeypatch.setattr(_io.load, "_CHUNK_BYTES", 40)
+    return request.param
+
+
+# --- layer counts and layers= ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fn", [eqx_lean.load_stacked, eqx_lean.load_tensors])
+def test_more_layers_than_the_target_is_an_error_naming_both_counts(tmp_path, fn, no_allocation):
+    path = save(tmp_path, stored(16))
+    target, names = (
+        (like(12), NAMES) if fn is eqx_lean.load_stacked else (whole_like(12), NAMES | PLAIN)
+    )
+    with pytest.raises(ValueError) as info:
+        fn(path, target, names)
+    message = str(info.value)
+    assert str(path / "model.safetensors") in message
+    assert "holds 16 layers" in message and "have 12" in message
+    assert "'model.layers.{i}…'" in message and "up to layer 15" in message
+    assert "Pass `layers=12`" in message
+    # strict=False ignores unmapped tensors, never layers.
+    with pytest.raises(ValueError, match="holds 16 layers"):
+        fn(path, target, names, strict=False)
+
+
+def test_fewer_layers_than_the_target_lists_the_missing_and_both_counts(tmp_path, no_allocation):
+    path = save(tmp_path, stored(3))
+    with pytest.raises(KeyError) as info:
+        eqx_lean.load_stacked(path, like(5), NAMES)
+    message = str(info.value)
+    missing = "'model.layers.3.b', 'model.layers.4.b', 'model.layers.3.w', 'model.layers.4.w'"
+    assert f"4 are missing: {missing}." in message
+    assert "The checkpoint holds 3 layers; the stacked leaves of `like` have 5." in message
+
+
+def test_layers_loads_the_first_n_or_a_range(tmp_path, writes):
+    tensors = stored(16)
+    path = save(tmp_path, tensors)
+    first = eqx_lean.load_stacked(path, like(12), NAMES, layers=12)
+    np.testing.assert_array_equal(np.asarray(first["w"]), layers_of(tensors, "w", range(12)))
+    np.testing.assert_array_equal(np.asarray(first["b"]), layers_of(tensors, "b", range(12)))
+    second_half = eqx_lean.load_tensors(path, whole_like(8), NAMES | PLAIN, layers=range(8, 16))
+    np.testing.assert_array_equal(
+        np.asarray(second_half["w"]), layers_of(tensors, "w", range(8, 16))
+    )
+    np.testing.assert_array_equal(np.asarray(second_half["emb"]), tensors["model.embed.weight"])
+    every_other = eqx_lean.load_stacked(path, like(4), NAMES, layers=range(1, 16, 4))
+    np.testing.assert_array_equal(
+        np.asarray(every_other["b"]), layers_of(tensors, "b", [1, 5, 9, 13])
+    )
+
+
+def test_bad_layers_are_refused(tmp_path, no_allocation):
+    path = save(tmp_path, stored(6))
+    with pytest.raises(
+        ValueError,
+        match=r"`layers` selects 3 checkpoint layers \(3\), but the stacked leaves of `like` "
+        r"have 4",
+    ):
+        eqx_lean.load_stacked(path, like(4), NAMES, layers=3)
+    with pytest.raises(
+        ValueError,
+        match=r"`layers` selects checkpoint layer 7, but the checkpoint .* holds 6 layers",
+    ):
+        eqx_lean.load_stacked(path, like(4), NAMES, layers=range(4, 8))
+    with pytest.raises(
+        TypeError,
+        match=r"`layers` must be an int N .* or a `range` of checkpoint layers; got \[0, 1\]",
+    ):
+        eqx_lean.load_stacked(path, like(2), NAMES, layers=[0, 1])  # pyright: ignore
+    with pytest.raises(ValueError, match="at least one layer, with non-negative indices"):
+        eqx_lean.load_stacked(path, like(2), NAMES, layers=range(-1, 1))
+    plain = {"emb": jax.ShapeDtypeStruct((10, 3), jnp.float32)}
+    with pytest.raises(ValueError, match=r"but no leaf of `like` is named with \{i\}"):
+        eqx_lean.load_tensors(path, plain, PLAIN, layers=2, strict=False)
+
+
+# --- tensors nothing maps ----------------------------------------------------------------------
+
+
+def test_load_stacked_refuses_per_layer_tensors_that_nothing_maps(tmp_path, no_allocation):
+    extra = ["model.layers.2.mlp.extra", "model.layers.0.z"]
+    path = save(tmp_path, stored(L, extra=extra))
+    with pytest.raises(ValueError) as info:
+        eqx_lean.load_stacked(path, like(), NAMES)
+    message = str(info.value)
+    assert "holds 2 per-layer tensors (named like the templates, 'model.layers.{i}…')" in message
+    assert "'model.layers.2.mlp.extra' (in model.safetensors)" in message
+    assert "'model.layers.0.z' (in model.safetensors)" in message
+    assert "`strict=False`" in message
+
+
+def test_load_stacked_ignores_what_is_not_per_layer_and_strict_false_ignores_the_rest(tmp_path):
+    tensors = stored(L, extra=["model.layers.1.extra", "model.norm.weight"])
+    path = save(tmp_path, tensors)
+    # The embedding and the final norm are outside the templates' pattern: not its business.
+    loaded = eqx_lean.load_stacked(path, like(), NAMES, strict=False)
+    np.testing.assert_array_equal(np.asarray(loaded["w"]), layers_of(tensors, "w", range(L)))
+    path = save(tmp_path / "clean", stored(L, extra=["model.norm.weight"]))
+    eqx_lean.load_stacked(path, like(), NAMES)
+
+
+def test_layers_outside_the_selection_are_not_checked(tmp_path):
+    path = save(tmp_path, stored(6, extra=["model.layers.5.extra"]))
+    eqx_lean.load_stacked(path, like(4), NAMES, layers=4)  # layer 5 is not loaded
+    with pytest.raises(ValueError, match="'model.layers.5.extra'"):
+        eqx_lean.load_stacked(path, like(4), NAMES, layers=range(2, 6))
+
+
+def test_load_tensors_is_strict_about_every_tensor(tmp_path, no_allocation):
+    extra = ["lm_head.weight", "model.something", "a", "b", "c", "d"]
+    path = save(tmp_path, stored(L, extra=extra))
+    with pytest.raises(ValueError) as info:
+        eqx_lean.load_tensors(path, whole_like(), NAMES | PLAIN)
+    message = str(info.value)
+    assert "holds 6 tensors that no leaf of `like` is named for" in message
+    assert "'a' (in model.safetensors)" in message and "and 1 more" in message
+    assert "pass `strict=False` to load a part of the checkpoint" in message
+
+
+def test_load_tensors_strict_false_loads_a_part(tmp_path):
+    tensors = stored(L, extra=["lm_head.weight"])
+    path = save(tmp_path, tensors)
+    loaded = eqx_lean.load_tensors(path, like(), NAMES, strict=False)  # no embedding leaf
+    np.testing.assert_array_equal(np.asarray(loaded["b"]), layers_of(tensors, "b", range(L)))
+
+
+def test_rotary_inv_freq_buffers_are_ignored(tmp_path):
+    extra = [f"model.layers.{i}.self_attn.rotary_emb.inv_freq" for i in range(L)]
+    tensors = stored(L, extra=[*extra, "model.rotary_emb.inv_freq"])
+    path = save(tmp_path, tensors)
+    loaded = eqx_lean.load_tensors(path, whole_like(), NAMES | PLAIN)
+    np.testing.assert_array_equal(np.asarray(loaded["emb"]), tensors["model.embed.weight"])
+    eqx_lean.load_stacked(path, like(), NAMES)
+
+
+# --- both ways of writing, bitwise --------------------------------------------------------------
+
+
+def test_host_and_compiled_writes_cast_transpose_and_place_alike(tmp_path, writes):
+    rng = np.random.default_rng(1)
+    tensors = {
+        "e": rng.standard_normal((7, 5), dtype=np.float32),  # plain, cast to bfloat16
+        "s": np.asarray(3.5, np.float16),  # a plain scalar, cast to float32
+        "n": rng.integers(0, 9, (2, 3), dtype=np.int32),
+        "zero": np.zeros((0, 3), np.float32),
+    }
+    for i in range(3):
+        tensors[f"l.{i}.t"] = rng.standard_normal((5, 4), dtype=np.float32)  # stored [in, out]
+        tensors[f"l.{i}.h"] = rng.standard_normal(4).astype(np.float16)
+        tensors[f"l.{i}.c"] = np.asarray(i + 0.25, np.float32)  # a scalar per layer
+    path = save(tmp_path, tensors)
+    target = {
+        "e": jax.ShapeDtypeStruct((7, 5), jnp.bfloat16),
+        "s": jax.ShapeDtypeStruct((), jnp.float32),
+        "n": jax.ShapeDtypeStruct((2, 3), jnp.int32),
+        "zero": jax.ShapeDtypeStruct((0, 3), jnp.float32),
+        "t": jax.ShapeDtypeStruct((3, 4, 5), jnp.bfloat16),
+        "h": jax.ShapeDtypeStruct((3, 4), jnp.float32),
+        "c": jax.ShapeDtypeStruct((3,), jnp.bfloat16),
+    }
+    names = {
+        "e": "e",
+        "s": "s",
+        "n": "n",
+        "zero": "zero",
+        "t": eqx_lean.TensorName("l.{i}.t", transpose=(1, 0)),
+        "h": "l.{i}.h",
+        "c": "l.{i}.c",
+    }
+    loaded = eqx_lean.load_tensors(path, target, names)
+    bf16 = ml_dtypes.bfloat16
+    expected = {
+        "e": tensors["e"].astype(bf16),
+        "s": tensors["s"].astype(np.float32),
+        "n": tensors["n"],
+        "zero": tensors["zero"],
+        "t": np.stack([tensors[f"l.{i}.t"].T for i in range(3)]).astype(bf16),
+        "h": np.stack([tensors[f"l.{i}.h"] for i in range(3)]).astype(np.float32),
+        "c": np.stack([tensors[f"l.{i}.c"] for i in range(3)]).astype(bf16),
+    }
+    for key, value in expected.items():
+        found = np.asarray(loaded[key])
+        assert found.dtype == value.dtype and found.shape == value.shape, key
+        as_bytes = lambda x: np.ascontiguousarray(x).reshape(-1).view(np.uint8)  # noqa: E731
+        np.testing.assert_array_equal(as_bytes(found), as_bytes(value), err_msg=key)
+
+
+def test_loaded_buffers_are_owned_by_xla_so_a_donation_updates_them_in_place(tmp_path, writes):
+    """Host writes copy into buffers XLA allocated (never NumPy memory that JAX aliases, which
+    a donating computation would silently copy: twice the model at its first training step)."""
+    tensors = stored(L)
+    path = save(tmp_path, tensors)
+    loaded: dict[str, jax.Array] = eqx_lean.load_stacked(path, like(), NAMES)  # pyright: ignore[reportAssignmentType]
+    distinct = {x.unsafe_buffer_pointer() for x in loaded.values()}
+    assert len(distinct) == len(loaded)
+    before = loaded["w"].unsafe_buffer_pointer()
+    updated = jax.jit(lambda x: x + 1, donate_argnums=0)(loaded["w"])
+    assert updated.unsafe_buffer_pointer() == before
+    np.testing.assert_array_equal(np.asarray(updated), layers_of(tensors, "w", range(L)) + 1)
+
+
+# --- shardings ------------------------------------------------------------------------------------
+
+
+def run_script(code: str, tmp_path: Path, devices: int = 8) -> str:
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(code))
+    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    result = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
+def test_like_from_eval_shape_of_a_sharded_build_loads(tmp_path):
+    """`eqx.filter_eval_shape(build_stacked, ..., sharding=fsdp(mesh))` gives shardings on an
+    abstract mesh; they are placed on `mesh=`, the mesh set by `jax.set_mesh`, or a mesh of the
+    same axes over every device; a `mesh=` of other axes is refused."""
+    out = run_script(
+        f"""
+        import equinox as eqx, jax, jax.numpy as jnp, numpy as np
+        import eqx_lean
+        from eqx_lean._core import chunks
+
+        mesh = jax.make_mesh((8,), ("data",))
+        make = lambda key: eqx.nn.MLP(16, 8, width_size=32, depth=2, key=key)
+        keys = jax.random.split(jax.random.key(0), 4)
+        like = eqx.filter_eval_shape(eqx_lean.build_stacked, make, keys, jnp.bfloat16,
+                                     sharding=eqx_lean.fsdp(mesh))
+        assert isinstance(like.layers[0].weight.sharding.mesh, jax.sharding.AbstractMesh)
+        built = eqx_lean.build_stacked(make, keys, jnp.bfloat16, sharding=eqx_lean.fsdp(mesh))
+        names = lambda path, _: "layers.{{i}}" + jax.tree_util.keystr(path)
+        eqx_lean.save_stacked({str(tmp_path / "ckpt")!r}, built, names)
+        arrays = lambda tree: jax.tree.leaves(eqx.filter(tree, eqx.is_array))
+
+        def check(loaded):
+            for a, b in zip(arrays(loaded), arrays(built), strict=True):
+                assert a.sharding.is_equivalent_to(b.sharding, a.ndim), (a.sharding, b.sharding)
+                np.testing.assert_array_equal(np.asarray(a).view(np.uint16),
+                                              np.asarray(b).view(np.uint16))
+
+        for host_writes in (True, False):
+            chunks.HOST_WRITES = host_writes
+            check(eqx_lean.load_stacked({str(tmp_path / "ckpt")!r}, like, names))
+            check(eqx_lean.load_stacked({str(tmp_path / "ckpt")!r}, like, names, mesh=mesh))
+            with jax.set_mesh(mesh):
+                check(eqx_lean.load_stacked({str(tmp_path / "ckpt")!r}, like, names))
+        other = jax.make_mesh((2, 4), ("x", "y"))
+        try:
+            eqx_lean.load_stacked({str(tmp_path / "ckpt")!r}, like, names, mesh=other)
+        except ValueError as e:
+            assert "Leaf .layers[0].weight of `like` carries a sharding on" in str(e), e
+            assert "but that mesh has axes" in str(e), e
+        else:
+            raise AssertionError("a mesh of other axes was accepted")
+        print("ok")
+        """,
+        tmp_path,
+    )
+    assert out.strip().endswith("ok")
+
+
+def test_a_sharding_longer_than_the_rank_names_the_leaf(tmp_path, no_allocation):
+    path = save(tmp_path, stored(L))
+    mesh = jax.make_mesh((1,), ("d",))
+    with pytest.raises(
+        ValueError,
+        match=r"`sharding`: leaf \['emb'\] of shape \(10, 3\) with spec "
+        r"P\('d', None, None\) names more dimensions than the leaf has",
+    ):
+        eqx_lean.load_tensors(
+            path,
+            whole_like(),
+            NAMES | PLAIN,
+            sharding={"w": None, "b": None, "emb": P("d", None, None)},
+            mesh=mesh,
+        )
+    with pytest.raises(
+        ValueError,
+        match=r"`sharding`: leaf \['b'\] of shape \(3,\) with spec "
+        r"P\(None, None, 'd'\) names more dimensions than the leaf \(one layer's "
+        r"leaf, without the layer axis\) has",
+    ):
+        eqx_lean.load_stacked(path, like(), NAMES, sharding=NamedSharding(mesh, P(None, None, "d")))
+
+
+# --- memory -------------------------------------------------------------------------------------
+
+
+def test_compiled_chunk_writes_compile_once_whatever_the_device_count(tmp_path):
+    """Host writes compile nothing; compiled writes compile one program per group (stacked,
+    plain) plus one allocation per placement, on 1 device as on 8, where a write used to be
+    compiled per device and shape."""
+    tensors = stored(L)
+    path = save(tmp_path, tensors)
+    counts = {}
+    for devices in (1, 8):
+        out = run_script(
+            f"""
+            import jax, numpy as np
+            import eqx_lean
+            from eqx_lean._core import chunks
+
+            compiles = []
+            jax.monitoring.register_event_duration_secs_listener(
+                lambda event, s, **_: compiles.append(event)
+                if event == "/jax/core/compile/backend_compile_duration" else None)
+            like = {{"w": jax.ShapeDtypeStruct(({L}, 6, 3), np.float32),
+                     "b": jax.ShapeDtypeStruct(({L}, 3), np.float32),
+                     "emb": jax.ShapeDtypeStruct((10, 3), np.float32)}}
+            names = {json.dumps(NAMES | PLAIN)}
+            sharding = eqx_lean.fsdp(jax.make_mesh(({devices},), ("data",)))
+            counts = []
+            for host_writes in (True, False):
+                chunks.HOST_WRITES = host_writes
+                before = len(compiles)
+                eqx_lean.load_tensors({str(path)!r}, like, names, sharding=sharding)
+                counts.append(len(compiles) - before)
+            print(counts)
+            """,
+            tmp_path,
+            devices=devices,
+        )
+        counts[devices] = json.loads(out.strip().splitlines()[-1])
+    assert counts[1] == counts[8] == [0, 3], counts
+
+
+def _write_big_checkpoint(path: Path, num_layers: int, rows: int, cols: int, vocab: int) -> int:
+    """A bfloat16 checkpoint written as the safetensors library writes it (unaligned data)."""
+    rng = np.random.default_rng(0)
+    tensors = {"embed": rng.integers(0x3C00, 0x4000, (vocab, cols), np.uint16)}
+    for i in range(num_layers):
+        tensors[f"layers.{i}.w"] = rng.integers(0x3C00, 0x4000, (rows, cols), np.uint16)
+    tensors = {k: v.view(ml_dtypes.bfloat16) for k, v in tensors.items()}
+    safetensors.numpy.save_file(tensors, path)
+    return sum(v.nbytes for v in tensors.values())
+
+
+MEMORY_CHILD = """
+import json, sys, jax, jax.numpy as jnp
+import eqx_lean
+from eqx_lean._core import chunks
+chunks.HOST_WRITES = sys.argv[2] == "host"
+num_layers, rows, cols, vocab = map(int, sys.argv[3:7])
+like = {"w": jax.ShapeDtypeStruct((num_layers, rows, cols), jnp.bfloat16),
+        "embed": jax.ShapeDtypeStruct((vocab, cols), jnp.bfloat16)}
+names = {"w": "layers.{i}.w", "embed": "embed"}
+jax.devices()
+print("idle", flush=True)
+sys.stdin.readline()
+loaded = eqx_lean.load_tensors(sys.argv[1], like, names)
+jax.block_until_ready(loaded)
+print("done", json.dumps(sum(x.nbytes for x in loaded.values())), flush=True)
+sys.stdin.readline()
+"""
+
+
+def _anon_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssAnon:"))
+
+
+def _load_overhead(path: Path, mode: str, shape: tuple[int, ...]) -> tuple[float, int]:
+    """(peak anonymous memory over idle minus the loaded bytes, in MiB; the loaded bytes),
+    sampling `RssAnon` every ms from this process (the file is memory-mapped: its pages are
+    page cache, not anonymous memory)."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", MEMORY_CHILD, str(path), mode, *map(str, shape)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu"),
+    )
+    assert child.stdin and child.stdout
+    assert child.stdout.readline().strip() == "idle"
+    idle = _anon_kib(child.pid)
+    peak, running = [idle], True
+
+    def sample():
+        while running:
+            peak[0] = max(peak[0], _anon_kib(child.pid))
+            time.sleep(0.001)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    child.stdin.write("go\n")
+    child.stdin.flush()
+    tag, loaded = child.stdout.readline().split()
+    running = False
+    sampler.join()
+    child.stdin.write("go\n")
+    child.stdin.flush()
+    assert child.wait(timeout=60) == 0 and tag == "done"
+    return ((peak[0] - idle) * 1024 - int(loaded)) / 2**20, int(loaded)
+
+
+@pytest.mark.parametrize("mode", ["host", "compiled"])
+def test_load_overhead_is_independent_of_the_largest_tensor(tmp_path, mode):
+    """A 48 MiB embedding and 16 MiB layers load with a few MiB beside them (fresh process).
+
+    The bound: issue 13's bar is 40 MiB beyond the loaded bytes at every size, compilation
+    included. Before the chunked writes, the unaligned embedding alone was copied whole (48 MiB
+    beyond the model here, plus one compiled write per leaf shape). Host writes (CPU) copy each
+    tensor straight into its buffer: nothing beyond the model but the runtime's own few MiB.
+    Compiled writes (other platforms) hold two calls' values (2 x 4 MiB staged) and the
+    compiler's memory for two programs.
+    """
+    shape = (4, 4096, 2048, 12288)  # layers, rows, columns, vocabulary: 16 MiB layers
+    path = tmp_path / "big.safetensors"
+    _write_big_checkpoint(path, *shape)
+    overhead, loaded = _load_overhead(path, mode, shape)
+    assert loaded == (4 * 4096 + 12288) * 2048 * 2
+    if mode == "host":
+        # Nothing is staged or compiled: what remains is the runtime's own (a thread pool,
+        # NumPy's small cast buffers); measured 0.1 MiB.
+        assert overhead <= 4, overhead
+    else:
+        # Two calls' staged values (2 x 4 MiB) and the compiler's memory for two programs
+        # (about 14 MiB measured): within the bar of 40 MiB.
+        assert overhead <= 40, overhead
