@@ -208,22 +208,33 @@ def _custom_transpose_primitive() -> Any | None:
             # summed only afterwards. JAX's own derivative of `fallback` sums as it goes.
             # Unbatched operands are closed over, not passed with `in_axes=None`: with Explicit
             # mesh axes, vmap refuses unmapped arguments sharded over the axis it maps.
-            batched = [a for a, d in zip(args, dims, strict=True) if d is not None]
+            batched = [
+                jax.numpy.moveaxis(a, d, 0)
+                for a, d in zip(args, dims, strict=True)
+                if d is not None
+            ]
 
             def of_batched(*values: Any) -> Any:
                 supply = iter(values)
                 full = [a if d is None else next(supply) for a, d in zip(args, dims, strict=True)]
-                return fallback(*full)
+                return list(fallback(*full))
 
+            # Which outputs the batch reaches (see below): those are mapped, the others not.
+            with _mesh_of_operands(args):
+                closed = jax.make_jaxpr(of_batched)(*[_one_example(a, True) for a in batched])
+                _, out_batched = batching_internals.batch_jaxpr(
+                    closed, axis_data, [True] * len(batched), False
+                )
+            out_axes = [0 if b else None for b in out_batched]
             vmapped = jax.vmap(
                 of_batched,
-                in_axes=tuple(d for d in dims if d is not None),
+                in_axes=0,
+                out_axes=out_axes,
                 axis_name=axis_data.name,
                 axis_size=size,
                 spmd_axis_name=axis_data.spmd_name,
             )
-            out = list(vmapped(*batched))
-            return out, [0] * len(out)
+            return list(vmapped(*batched)), out_axes
         args = [
             a if d is None else jax.numpy.moveaxis(a, d, 0) for a, d in zip(args, dims, strict=True)
         ]

@@ -329,6 +329,12 @@ def scan(
     derivatives (`jax.jvp`, `jax.jacfwd`) differentiate the forward loop directly. The values
     are those of a Python loop over [`eqx_lean.unstack`][] whatever the choices.
 
+    Give the layers the batch axis themselves for this backward pass. Under
+    `jax.vmap(lambda x: eqx_lean.fold(blocks, x))(batch)` inside a gradient, the stack is not
+    batched while the activations are, and the hand-written loops would build one gradient of
+    the whole stack per example: there the gradient is JAX's own derivative of a `lax.scan`
+    over the stack (the same values; the memory `fold` needed before 0.2.0).
+
     **Random keys.** Pass one key per layer in `xs`, e.g.
     `xs=(cache, jax.random.split(key, L))`, or use [`eqx_lean.fold`][]'s `key=`.
 

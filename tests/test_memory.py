@@ -430,7 +430,7 @@ def test_sharded_estimate_table_uses_one_basis_per_row(eight_devices):
 
 # Each measured in fresh processes with the benchmark's worker (the design notes' protocol),
 # sized so that every process stays under 2 GiB. build_stacked's writes fuse their draws (no XLA
-# temporaries), so its overhead is what compiling and glibc leave resident, ~41-46 MiB; before
+# temporaries), so its overhead is what compiling and glibc leave resident, ~31-43 MiB; before
 # the draws fused, writes with temporaries under ~32 MiB left a scatter of +-15 MiB in it.
 # None of them was used to choose the constants in `_memory/estimates.py`.
 ACCURACY_CONFIGS = [
