@@ -472,27 +472,24 @@ def differentiated_by_index(
         out_inexact = [_is_inexact(o) for o in out_leaves]
         num_ct_carry, num_primals = sum(layout.inexact_carry), len(leaves)
 
-        def tangent(*flat: Array) -> list[Array]:
-            """Forward mode: the JVP of the forward-only loop."""
-            primals, _, lin_tangents = _split(flat, [num_primals, len(residuals)])
+        def tangent_of(forward: Callable[..., tuple[Any, Any]]) -> Callable[..., list[Array]]:
+            """Forward mode: `(primals, residuals, tangents) -> output tangents` of `forward`."""
 
-            def of_live(*live_values: Array) -> list[Array]:
-                values = _merge(live, live_values, _select(primals, live, keep=False))
-                out = jax.tree.leaves(primal(*treedef.unflatten(values)))
-                return _select(out, out_inexact)
+            def tangent(*flat: Array) -> list[Array]:
+                primals, _, lin_tangents = _split(flat, [num_primals, len(residuals)])
 
-            return jax.jvp(of_live, _select(primals, live), lin_tangents)[1]
+                def of_live(*live_values: Array) -> list[Array]:
+                    values = _merge(live, live_values, _select(primals, live, keep=False))
+                    out = jax.tree.leaves(forward(*treedef.unflatten(values)))
+                    return _select(out, out_inexact)
 
-        def tangent_by_jax(*flat: Array) -> list[Array]:
-            """`tangent`, through `differentiable`: JAX transposes it itself."""
-            primals, _, lin_tangents = _split(flat, [num_primals, len(residuals)])
+                return jax.jvp(of_live, _select(primals, live), lin_tangents)[1]
 
-            def of_live(*live_values: Array) -> list[Array]:
-                values = _merge(live, live_values, _select(primals, live, keep=False))
-                out = jax.tree.leaves(differentiable(*treedef.unflatten(values)))
-                return _select(out, out_inexact)
+            return tangent
 
-            return jax.jvp(of_live, _select(primals, live), lin_tangents)[1]
+        # The JVP of the forward-only loop, transposed by `transpose` below; and the same through
+        # the scan over the stack, which JAX transposes itself (used under `vmap`, see above).
+        tangent, tangent_by_jax = tangent_of(primal), tangent_of(differentiable)
 
         def transpose(*flat: Array) -> list[Array]:
             """Reverse mode: the backward loop, from the cotangents of the inexact outputs."""

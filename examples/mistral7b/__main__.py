@@ -172,16 +172,10 @@ def generate_command(args: argparse.Namespace) -> None:
     if args.ids:
         ids = [int(t) for t in args.ids.split(",")]
     elif os.path.exists(tokenizer_path):
-        try:
-            from tokenizers import Tokenizer
-        except ImportError as e:
-            raise ImportError(
-                "Reading tokenizer.json needs the `tokenizers` package: from the root of the "
-                'eqx_lean checkout, `pip install ".[mistral]"`, or `pip install tokenizers`.'
-            ) from e
+        from .data import HFTokenizer
 
-        tokenizer = Tokenizer.from_file(tokenizer_path)
-        ids = tokenizer.encode(args.prompt).ids
+        tokenizer = HFTokenizer(tokenizer_path)
+        ids = tokenizer.encode(args.prompt)
     else:
         raise SystemExit(f"--ids is needed: {tokenizer_path} does not exist.")
     key = jax.random.key(args.seed) if args.temperature > 0 else None

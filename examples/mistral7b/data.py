@@ -47,6 +47,9 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text).ids
 
+    def decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids)
+
 
 def load_tokenizer(checkpoint: str | os.PathLike, vocab_size: int) -> Tokenizer:
     """The checkpoint's `tokenizer.json` if it has one, else bytes.
