@@ -74,7 +74,6 @@ from .writes import (
     allocate as allocate,
     as_bits as as_bits,
     clear_caches as clear_caches,
-    compile_row_writes as compile_row_writes,
     compile_writes as compile_writes,
     delete_arrays as delete_arrays,
     fill as fill,
@@ -87,6 +86,5 @@ from .writes import (
     trace_writes as trace_writes,
     update_rows as update_rows,
     write_layer as write_layer,
-    write_rows as write_rows,
     write_temp_bytes as write_temp_bytes,
 )

@@ -101,40 +101,18 @@ def write_slice(buffer: Array, value: Array, index: Any, *, bit_writes: bool) ->
     return update_rows(buffer, value[None], index, bit_writes=bit_writes)
 
 
-@functools.partial(jax.jit, donate_argnums=0, static_argnames=("bit_writes", "one_slice"))
-def _write_donated(buffer: Array, value: Array, start: Any, bit_writes: bool, one_slice: bool):
-    if one_slice:
-        return write_slice(buffer, value, start, bit_writes=bit_writes)
-    return update_rows(buffer, value, start, bit_writes=bit_writes)
+@functools.partial(jax.jit, donate_argnums=0, static_argnames="bit_writes")
+def _write_slice_donated(buffer: Array, value: Array, index: Any, bit_writes: bool) -> Array:
+    return write_slice(buffer, value, index, bit_writes=bit_writes)
 
 
 def _bit_writes_for(buffer: jax.Array) -> bool:
     return _platform.Tricks.for_platform(_platform.platform_of([buffer.sharding])).bit_writes
 
 
-def write_rows(buffer: jax.Array, value: Any, start: int) -> jax.Array:
-    """Writes `value` into rows `start:` of `buffer`, donating it; returns the updated buffer."""
-    return _write_donated(buffer, value, start, bit_writes=_bit_writes_for(buffer), one_slice=False)
-
-
 def write_layer(buffer: jax.Array, value: Any, index: int) -> jax.Array:
     """Writes `value` as slice `index` of `buffer`'s leading axis, donating `buffer`."""
-    return _write_donated(buffer, value, index, bit_writes=_bit_writes_for(buffer), one_slice=True)
-
-
-def compile_row_writes(signatures: set[tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct, bool]]):
-    """Compiles `write_rows`/`write_layer` for `(buffer, value, one_slice)` signatures, in threads.
-
-    Compiling before the buffers exist keeps the compiler's transient memory out of the peak.
-    """
-    index = jax.ShapeDtypeStruct((), jnp.int32, weak_type=True)
-
-    def compile_one(signature: tuple[Any, Any, bool]) -> None:
-        buffer, value, one_slice = signature
-        bits = _platform.Tricks.for_platform(_platform.platform_of([buffer.sharding])).bit_writes
-        _write_donated.lower(buffer, value, index, bit_writes=bits, one_slice=one_slice).compile()
-
-    _in_threads(compile_one, list(signatures))
+    return _write_slice_donated(buffer, value, index, bit_writes=_bit_writes_for(buffer))
 
 
 def _in_threads(fn: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
