@@ -55,12 +55,10 @@ def main() -> None:
         keys = jax.random.split(jax.random.key(0), config.num_layers)
         plan = _core.plan_build(lambda k, c=config: Block(c, key=k), keys, jnp.dtype(dtype))
         temp = max(_core.write_temp_bytes(plan), default=0)
-        runs = []
-        for _ in range(RUNS):
-            figures = _measure(config, dtype)
-            runs.append(figures["peak_over_idle_bytes"] - figures["final_bytes"] - temp)
+        measured = [_measure(config, dtype) for _ in range(RUNS)]
+        runs = [m["peak_over_idle_bytes"] - m["final_bytes"] - temp for m in measured]
         overheads += runs
-        final = figures["final_bytes"]
+        final = measured[-1]["final_bytes"]
         shown = " / ".join(f"{r / MiB:.0f}" for r in runs)
         print(
             f"| {config.num_layers} x d={config.dim}, {dtype} | {final / MiB:.0f} MiB "
