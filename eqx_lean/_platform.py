@@ -38,7 +38,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax import lax
+from jax import Device, lax
 from jax.sharding import Sharding
 
 from . import _compat, _threefry
@@ -168,3 +168,45 @@ def host_view(array: jax.Array) -> np.ndarray | None:
         array.unsafe_buffer_pointer()
     )
     return np.frombuffer(memoryview(memory), dtype, array.size).reshape(array.shape)
+
+
+# PJRT's CPU client aliases a NumPy array's memory instead of copying it when the data is
+# aligned to this many bytes (`jax.device_put` ignores `may_alias=False` for NumPy input).
+_ZERO_COPY_ALIGNMENT = 64
+
+
+def _misaligned_offset(address: int, itemsize: int) -> int:
+    """An offset from `address` (a multiple of `itemsize`) where data is not 64-byte aligned."""
+    return 0 if address % _ZERO_COPY_ALIGNMENT else itemsize
+
+
+def host_zeros(shape: tuple[int, ...], dtype: Any, device: Device | None) -> jax.Array:
+    """A zero CPU array in memory that XLA owns, for `host_writes`; nothing is compiled.
+
+    `jax.device_put` of a NumPy array aliases the array's memory where it can (64-byte aligned
+    data, on CPU). A donating computation cannot reuse memory XLA does not own: it silently
+    allocates a new output, twice the model at a first training step. So the zeros are given at
+    an offset that is not 64-byte aligned, which makes PJRT copy them into its own buffer (from
+    untouched pages of `np.zeros`: only the copy's pages become resident). Should a JAX alias
+    them anyway, the pointers show it and the array is copied explicitly.
+
+    **Arguments:**
+
+    - `shape`, `dtype`: those of the array.
+    - `device`: where to put it; `None` for JAX's default device (uncommitted).
+
+    **Returns:**
+
+    The array, which the caller may fill through `host_view` before anyone else sees it.
+    """
+    # JAX's own dtype (float32 for float64 without x64), so that NumPy's array is not converted
+    # into a new, possibly aligned one.
+    dtype = np.dtype(jax.dtypes.canonicalize_dtype(dtype))
+    size = int(np.prod(shape, dtype=np.int64))
+    raw = np.zeros(size * dtype.itemsize + _ZERO_COPY_ALIGNMENT, np.uint8)
+    offset = _misaligned_offset(raw.ctypes.data, dtype.itemsize)
+    zeros = raw[offset : offset + size * dtype.itemsize].view(dtype).reshape(shape)
+    array = jax.device_put(zeros, device)
+    if size and array.unsafe_buffer_pointer() == zeros.ctypes.data:
+        array = jax.device_put(array, device, may_alias=False)
+    return array

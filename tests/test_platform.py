@@ -9,6 +9,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import eqx_lean
@@ -88,3 +89,45 @@ def test_off_cpu_each_call_writes_one_layer(monkeypatch):
     assert _core.layers_per_call(plan) == 4
     monkeypatch.setattr(_platform, "platform_of", lambda shardings: "gpu")
     assert _core.layers_per_call(plan) == 1
+
+
+def donation_is_in_place(array: jax.Array) -> bool:
+    before = array.unsafe_buffer_pointer()
+    updated = jax.jit(lambda x: x + 1, donate_argnums=0)(array)
+    assert array.is_deleted()
+    np.testing.assert_array_equal(np.asarray(updated), np.ones(array.shape, updated.dtype))
+    return updated.unsafe_buffer_pointer() == before
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.int8, jnp.float64])
+@pytest.mark.parametrize("device", [None, jax.devices()[0]], ids=["default", "committed"])
+def test_host_zeros_are_owned_by_xla_so_a_donation_reuses_them(dtype, device):
+    # `jax.device_put` of 64-byte-aligned NumPy data aliases it (about one small array in
+    # four, found flaky in CI); XLA then cannot reuse it and a donation copies. Many sizes, so
+    # that both alignments of NumPy's allocation come up.
+    for rows in range(1, 40):
+        zeros = _platform.host_zeros((rows, 3), dtype, device)
+        assert zeros.shape == (rows, 3)
+        assert zeros.dtype == jax.dtypes.canonicalize_dtype(dtype)
+        assert zeros.committed == (device is not None)
+        assert donation_is_in_place(zeros), rows
+
+
+def test_host_zeros_copy_what_device_put_aliased(monkeypatch):
+    # Force the aligned offset at which `device_put` aliases NumPy's memory: the alias is seen
+    # and copied into XLA's own buffer.
+    aligned = lambda address, itemsize: -address % _platform._ZERO_COPY_ALIGNMENT  # noqa: E731
+    monkeypatch.setattr(_platform, "_misaligned_offset", aligned)
+    put = jax.device_put
+    aliased = []
+
+    def spy(x, *args, **kwargs):
+        out = put(x, *args, **kwargs)
+        if isinstance(x, np.ndarray):
+            aliased.append(out.unsafe_buffer_pointer() == x.ctypes.data)
+        return out
+
+    monkeypatch.setattr(jax, "device_put", spy)
+    for rows in range(1, 20):
+        assert donation_is_in_place(_platform.host_zeros((rows, 3), jnp.float32, None)), rows
+    assert aliased and all(aliased)

@@ -231,13 +231,13 @@ def _on_host(target: Target, host_writes: bool | None) -> bool:
 
 
 def _host_zeros(target: Target) -> Array:
-    """A zero buffer copied from `np.zeros` (untouched pages): nothing is compiled."""
+    """A zero buffer in memory XLA owns (`_platform.host_zeros`): nothing is compiled."""
     dtype = np.dtype(target.struct.dtype)
     if target.sharding is None:
-        return jax.device_put(np.zeros(target.struct.shape, dtype), may_alias=False)
+        return _platform.host_zeros(target.struct.shape, dtype, None)
     shape = tuple(target.sharding.shard_shape(target.struct.shape))
     devices = target.sharding.addressable_devices_indices_map(target.struct.shape)
-    shards = [jax.device_put(np.zeros(shape, dtype), d, may_alias=False) for d in devices]
+    shards = [_platform.host_zeros(shape, dtype, d) for d in devices]
     return jax.make_array_from_single_device_arrays(target.struct.shape, target.sharding, shards)
 
 
