@@ -38,7 +38,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax import Device, lax
+from jax import lax
 from jax.sharding import Sharding
 
 from . import _compat, _threefry
@@ -180,7 +180,7 @@ def _misaligned_offset(address: int, itemsize: int) -> int:
     return 0 if address % _ZERO_COPY_ALIGNMENT else itemsize
 
 
-def host_zeros(shape: tuple[int, ...], dtype: Any, device: Device | None) -> jax.Array:
+def host_zeros(shape: tuple[int, ...], dtype: Any, device: Any) -> jax.Array:
     """A zero CPU array in memory that XLA owns, for `host_writes`; nothing is compiled.
 
     `jax.device_put` of a NumPy array aliases the array's memory where it can (64-byte aligned
@@ -193,7 +193,7 @@ def host_zeros(shape: tuple[int, ...], dtype: Any, device: Device | None) -> jax
     **Arguments:**
 
     - `shape`, `dtype`: those of the array.
-    - `device`: where to put it; `None` for JAX's default device (uncommitted).
+    - `device`: the `jax.Device` to put it on; `None` for JAX's default device (uncommitted).
 
     **Returns:**
 
