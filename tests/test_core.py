@@ -156,6 +156,34 @@ def test_a_fresh_function_of_the_same_content_compiles_nothing(compiles):
     assert bitwise(first, second)
 
 
+def test_a_layer_with_custom_derivatives_compiles_once(compiles):
+    # `custom_jvp`/`custom_vjp` equations carry derivative rules that each trace makes afresh;
+    # compiled writes never differentiate, so only the forward program is keyed.
+    @jax.custom_vjp
+    def doubled(x):
+        return 2.0 * x
+
+    doubled.defvjp(lambda x: (2.0 * x, None), lambda _, g: (2.0 * g,))
+
+    def make(key):
+        w = jax.random.normal(key, (8, 4))
+        return {"relu": jax.nn.relu(w), "doubled": doubled(w)}
+
+    keys = keys_of(3)
+    first = eqx_lean.build_stacked(lambda k: make(k), keys)
+    before = compiles.count
+    second = eqx_lean.build_stacked(lambda k: make(k), keys)
+    assert compiles.count == before
+    expected = eqx.filter_vmap(make)(keys)
+    assert bitwise(first, expected) and bitwise(second, expected)
+
+
+def test_derivative_rules_are_left_out_of_the_key_and_the_forward_program_is_not():
+    relu = _core.program.jaxpr_key(jax.make_jaxpr(jax.nn.relu)(1.0).jaxpr)
+    assert relu == _core.program.jaxpr_key(jax.make_jaxpr(jax.nn.relu)(1.0).jaxpr)
+    assert relu != _core.program.jaxpr_key(jax.make_jaxpr(jax.nn.relu6)(1.0).jaxpr)
+
+
 def test_a_different_dtype_or_sharding_compiles_again(compiles):
     keys = keys_of(TINY.num_layers)
     eqx_lean.build_stacked(lambda k: Block(TINY, key=k), keys, jnp.bfloat16)

@@ -116,6 +116,21 @@ def _context_key(eqn: Any) -> Hashable:
     return tuple(_value_key(getattr(ctx, name, None)) for name in fields)
 
 
+# Equation parameters that only derivatives use. Compiled writes evaluate a program forward and
+# never differentiate it, and every trace makes these functions afresh: keyed by identity, each
+# trace of a layer that calls `jax.nn.relu` (a `custom_jvp`) would be a new program.
+_DERIVATIVE_ONLY_PARAMS = {
+    "custom_jvp_call": frozenset({"jvp_jaxpr_fun", "jvp_jaxpr_thunk"}),
+    "custom_vjp_call": frozenset({"fwd_jaxpr_thunk", "bwd", "out_trees"}),
+}
+
+
+def _params_key(eqn: Any) -> Hashable:
+    """An equation's parameters by value, less those only its derivatives use."""
+    skipped = _DERIVATIVE_ONLY_PARAMS.get(eqn.primitive.name, frozenset())
+    return tuple(sorted((k, _value_key(p)) for k, p in eqn.params.items() if k not in skipped))
+
+
 def jaxpr_key(jaxpr: Any) -> Hashable:
     """The content of a jaxpr, with its variables renamed in order of appearance."""
     names: dict[Any, int] = {}
@@ -138,7 +153,7 @@ def jaxpr_key(jaxpr: Any) -> Hashable:
         (
             eqn.primitive.name,
             tuple(atom(v) for v in eqn.invars),
-            tuple(sorted((k, _value_key(p)) for k, p in eqn.params.items())),
+            _params_key(eqn),
             tuple(binder(v) for v in eqn.outvars),
             _value_key(tuple(sorted(map(str, eqn.effects)))),
             _context_key(eqn),
