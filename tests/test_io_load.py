@@ -22,8 +22,8 @@ import safetensors.numpy
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eqx_lean
-from eqx_lean import _io
-from eqx_lean._core import chunks
+from eqx_lean import _core, _io
+from eqx_lean._core import chunk_writes, chunks
 
 
 REPO = Path(__file__).resolve().parent.parent
@@ -370,6 +370,15 @@ def test_a_sharding_longer_than_the_rank_names_the_leaf(tmp_path, no_allocation)
 
 
 # --- memory -------------------------------------------------------------------------------------
+
+
+def test_clear_caches_forgets_the_compiled_chunk_writes_too(tmp_path, monkeypatch):
+    monkeypatch.setattr(chunks, "HOST_WRITES", False)
+    path = save(tmp_path, stored(L))
+    eqx_lean.load_stacked(path, like(), NAMES)
+    assert len(chunk_writes._COMPILED) > 0
+    eqx_lean.clear_caches()
+    assert len(chunk_writes._COMPILED) == 0 and len(_core.WRITES) == 0
 
 
 def test_compiled_chunk_writes_compile_once_whatever_the_device_count(tmp_path):

@@ -10,6 +10,7 @@ import concurrent.futures
 import functools
 import os
 import threading
+import weakref
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any, NamedTuple, cast
 
@@ -279,17 +280,22 @@ def settings_key() -> Hashable:
     )
 
 
+_ALL_CACHES: "weakref.WeakSet[WriteCache]" = weakref.WeakSet()
+
+
 class WriteCache:
     """Compiled writes by content: the traced program, the buffers, the settings, the tricks.
 
     Bounded (least recently used entries go first) and thread-safe. It holds compiled programs
     and hashable descriptions only: never the user's function, nor the arrays it closes over.
+    Every instance is emptied by `clear_caches`.
     """
 
     def __init__(self, max_entries: int = 32):
         self.max_entries = max_entries
         self._entries: collections.OrderedDict[Hashable, Any] = collections.OrderedDict()
         self._lock = threading.Lock()
+        _ALL_CACHES.add(self)
 
     def get(self, key: Hashable) -> Any | None:
         with self._lock:
@@ -322,7 +328,8 @@ def clear_caches() -> None:
     Later builds compile their writes again. JAX's own caches are cleared by
     `jax.clear_caches()`, which this does not call.
     """
-    WRITES.clear()
+    for cache in list(_ALL_CACHES):
+        cache.clear()
     _zeros.cache_clear()
 
 
