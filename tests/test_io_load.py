@@ -84,6 +84,23 @@ def writes(request, monkeypatch):
     return request.param
 
 
+def test_layers_stored_in_different_dtypes_are_refused_on_either_path(
+    tmp_path, writes, no_allocation
+):
+    # Host writes cast each tensor, but compiled writes stage a leaf's layers in one dtype: the
+    # two paths refuse such a checkpoint alike, before allocating anything.
+    tensors = stored(L)
+    tensors["model.layers.1.w"] = tensors["model.layers.1.w"].astype(ml_dtypes.bfloat16)
+    path = save(tmp_path, tensors)
+    with pytest.raises(
+        ValueError,
+        match=r"leaf \['w'\] are stored in different dtypes across layers: float32 "
+        r"\('model.layers.0.w'\), bfloat16 \('model.layers.1.w'\); every layer of a stacked "
+        r"leaf must be stored in one dtype",
+    ):
+        eqx_lean.load_stacked(path, like(), NAMES)
+
+
 # --- layer counts and layers= ------------------------------------------------------------------
 
 

@@ -82,12 +82,14 @@ def _tensor_problems(
     expected_shape = leaf.name.stored_shape(per_layer_shape)
     layers: Sequence[int | None] = (selected or ()) if stacked else [None]
     missing, mismatched = [], []
+    first_of_dtype: dict[str, str] = {}  # each stored dtype, with the first tensor stored in it
     for layer in layers:
         tensor_name = leaf.name.at(layer)
         tensor = checkpoint.tensors.get(tensor_name)
         if tensor is None:
             missing.append(tensor_name)
             continue
+        first_of_dtype.setdefault(str(tensor.dtype), tensor_name)
         where = f"Tensor {tensor_name!r} (for leaf {describe_leaf(leaf)}) in {tensor.file}"
         if tensor.shape != expected_shape:
             transposed = f", stored transposed by {leaf.name.transpose}" * bool(leaf.name.transpose)
@@ -105,6 +107,14 @@ def _tensor_problems(
                 f"{where} has dtype {tensor.dtype}; expected {target} (only floating tensors are "
                 "cast)."
             )
+    if len(first_of_dtype) > 1:
+        # A stacked leaf is filled from one stored dtype (compiled writes stage every layer in
+        # it), so layers stored in different dtypes are refused, on every platform alike.
+        shown = ", ".join(f"{dtype} ({name!r})" for dtype, name in first_of_dtype.items())
+        mismatched.append(
+            f"The tensors for leaf {describe_leaf(leaf)} are stored in different dtypes across "
+            f"layers: {shown}; every layer of a stacked leaf must be stored in one dtype."
+        )
     return missing, mismatched
 
 
