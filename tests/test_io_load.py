@@ -89,7 +89,7 @@ def test_layers_stored_in_different_dtypes_are_refused_on_either_path(
 ):
     # Host writes cast each tensor, but compiled writes stage a leaf's layers in one dtype: the
     # two paths refuse such a checkpoint alike, before allocating anything.
-    tensors = stored(L)
+    tensors: dict[str, np.ndarray] = dict(stored(L))
     tensors["model.layers.1.w"] = tensors["model.layers.1.w"].astype(ml_dtypes.bfloat16)
     path = save(tmp_path, tensors)
     with pytest.raises(

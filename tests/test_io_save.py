@@ -354,6 +354,19 @@ def test_mount_points_are_refused(old, monkeypatch):
         save(ckpt)
 
 
+def test_a_mount_point_inside_the_target_is_refused(old, monkeypatch):
+    # A filesystem mounted inside the checkpoint would be copied into the new checkpoint, then
+    # its files deleted with the old one.
+    ckpt, _ = old
+    real = directory._mount_points
+    monkeypatch.setattr(directory, "_mount_points", lambda: real() | {str(ckpt / "extra")})
+    with (
+        no_change(ckpt.parent),
+        pytest.raises(PermissionError, match=r"extra/ \(a mount point, another filesystem's"),
+    ):
+        save(ckpt)
+
+
 def test_read_only_directory_is_refused_before_any_work(old):
     ckpt, _ = old
     os.chmod(ckpt, 0o555)

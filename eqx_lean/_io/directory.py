@@ -280,13 +280,14 @@ def plan(
         raise ValueError(
             f'`other_weights` must be "refuse", "keep" or "drop"; got {other_weights!r}.'
         )
-    target, info = resolve_target(path)
-    if info is None:
+    target, target_info = resolve_target(path)
+    if target_info is None:
         return Target(target, False, 0o777, (), {})
     carried: list[Carried] = []
     owned_modes: dict[str, int] = {}
     others: list[str] = []
     problems: list[str] = []
+    mounts = _mount_points()
 
     def scan(directory: Path, prefix: str) -> None:
         for entry in sorted(os.scandir(directory), key=lambda e: e.name):
@@ -308,6 +309,10 @@ def plan(
                     continue
             mode = stat.S_IMODE(info.st_mode)
             if stat.S_ISDIR(info.st_mode):
+                if info.st_dev != target_info.st_dev or os.fspath(source) in mounts:
+                    # Its files would be copied, then deleted with the old checkpoint.
+                    problems.append(f"{relative}/ (a mount point, another filesystem's data)")
+                    continue
                 if not os.access(source, os.R_OK | os.X_OK) or not (
                     os.access(source, os.W_OK) or info.st_uid == os.geteuid()
                 ):
@@ -345,8 +350,7 @@ def plan(
             f"cannot: {'; '.join(problems[:5])}. Fix or move them. Nothing was written",
             os.fspath(target),
         )
-    assert info is not None
-    return Target(target, True, stat.S_IMODE(info.st_mode), tuple(carried), owned_modes)
+    return Target(target, True, stat.S_IMODE(target_info.st_mode), tuple(carried), owned_modes)
 
 
 # --- building and swapping ----------------------------------------------------------------------
