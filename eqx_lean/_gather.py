@@ -18,6 +18,7 @@ from jax.experimental.shard_alike import shard_alike
 from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
 # The package's one sharding resolver: `build_stacked(sharding=...)` means the same.
+from . import _platform
 from ._core import ShardingPolicy, has_explicit_axes, resolve_shardings
 
 
@@ -161,7 +162,8 @@ def gathered_step(step: _Step, targets: _Targets) -> _Step:
         # attached and gives the whole stack a new layout to suit it: a copy of the stack's
         # shard before the loop (52 MiB per device beside a 26 MiB layer on 8 devices in
         # `benchmarks/sharded_forward.py`). After the barrier the slice is a layer of its own.
-        leaves = lax.optimization_barrier(leaves)
+        # Measured on XLA:CPU only, so only programs lowered for CPU get it.
+        leaves = _platform.barrier_on_cpu(leaves)
         return [x if t is None else _constrain(x, t) for x, t in zip(leaves, targets, strict=True)]
 
     # Saved as residuals, the gathered layers of a whole stack would be held at once.

@@ -21,7 +21,9 @@ the platform it is compiled for (`Tricks.for_platform`), never globally:
   temporaries to the system (CPU programs with glibc only: elsewhere temporaries live in the
   device's own pool).
 - scan's optimisation barrier (`barrier_on_cpu`): ties the stack to the loop index so XLA:CPU,
-  which slices bfloat16 in float32, does not hoist a float32 copy of the whole stack.
+  which slices bfloat16 in float32, does not hoist a float32 copy of the whole stack. The
+  per-layer gather (`_gather`) puts one before its constraints too: on Auto axes XLA:CPU would
+  otherwise relayout the whole stack's shard to suit the gathered slice.
 - `host_writes`: loads copy file data with NumPy straight into the memory of freshly allocated
   CPU buffers (`host_view`), which is host memory: no compiled write, no staged copy. Elsewhere
   device memory is not host memory, and loads use compiled, donated chunk writes.
@@ -78,21 +80,13 @@ class Tricks:
 def platform_of(shardings: tuple[Sharding | None, ...] | list[Sharding | None]) -> str:
     """The platform a program over arrays with these shardings runs on (default: the backend's).
 
-    A GPU device reports `"gpu"`; programs for it are lowered for `"cuda"` or `"rocm"`, which
-    `lowering_platform` tells apart.
+    A GPU device reports `"gpu"` (only `"cpu"` selects tricks, so `"cuda"` and `"rocm"` need not
+    be told apart here).
     """
     for sharding in shardings:
         if sharding is not None:
             return next(iter(sharding.device_set)).platform
     return jax.default_backend()
-
-
-def lowering_platform(platform: str, devices: Any = None) -> str:
-    """The name `jax.stages.Traced.lower(lowering_platforms=...)` takes for `platform`."""
-    if platform != "gpu":
-        return platform
-    device = next(iter(devices)) if devices else jax.devices("gpu")[0]
-    return "rocm" if "rocm" in device.client.platform_version.lower() else "cuda"
 
 
 def lower(
