@@ -46,6 +46,21 @@ def assert_same(a, b):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+def test_save_hf_writes_given_files_in_the_same_directory(tmp_path):
+    # How `merge` carries the base's tokenizer files: copied from a path, or given as bytes.
+    tokenizer = tmp_path / "base_tokenizer.json"
+    tokenizer.write_text('{"model": "stand-in"}')
+    model = init(MistralConfig(**TINY), key=jax.random.key(0))
+    files = {"tokenizer.json": tokenizer, "generation_config.json": b"{}"}
+    save_hf(model, tmp_path / "out", files=files)
+    assert (tmp_path / "out" / "tokenizer.json").read_text() == '{"model": "stand-in"}'
+    assert (tmp_path / "out" / "generation_config.json").read_bytes() == b"{}"
+    assert_same(load_hf(tmp_path / "out"), model)
+    with pytest.raises(ValueError, match=r"`files` must not hold 'config.json'"):
+        save_hf(model, tmp_path / "other", files={"config.json": b"{}"})
+    assert not (tmp_path / "other").exists()
+
+
 def test_config_with_fewer_layers_than_the_weights_is_refused(tmp_path):
     model = checkpoint(tmp_path, num_hidden_layers=6)
     set_config(tmp_path, num_hidden_layers=4)

@@ -22,6 +22,7 @@ import dataclasses
 import os
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import equinox as eqx
@@ -253,18 +254,19 @@ _TOKENIZER_FILES = (
 
 
 def merge_command(args: argparse.Namespace) -> None:
-    import shutil
-
     from . import load_hf, save_hf
     from .lora import merge_lora
     from .peft_format import load_adapters
 
     model = load_adapters(load_hf(args.checkpoint, dtype=args.dtype), args.adapters)
+    # The base's tokenizer files go into the same atomic directory as the merged weights.
+    tokenizer_files = {
+        name: Path(args.checkpoint, name)
+        for name in _TOKENIZER_FILES
+        if os.path.isfile(os.path.join(args.checkpoint, name))
+    }
     # The base weights were loaded for this merge alone, so they are updated in place.
-    save_hf(merge_lora(model, donate=True), args.out)
-    for name in _TOKENIZER_FILES:
-        if os.path.isfile(os.path.join(args.checkpoint, name)):
-            shutil.copy2(os.path.join(args.checkpoint, name), os.path.join(args.out, name))
+    save_hf(merge_lora(model, donate=True), args.out, files=tokenizer_files)
     print(f"merged checkpoint written to {args.out}; peak RSS {_gib(_status_kib('VmHWM'))}")
 
 

@@ -3,7 +3,7 @@
 import functools
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import equinox as eqx
@@ -289,6 +289,7 @@ def save_hf(
     *,
     max_shard_bytes: int = 2 * 2**30,
     other_weights: Literal["refuse", "keep", "drop"] = "refuse",
+    files: Mapping[str, bytes | os.PathLike] | None = None,
 ) -> None:
     """Writes `model` as a HuggingFace checkpoint that `transformers` loads.
 
@@ -310,7 +311,12 @@ def save_hf(
     - `other_weights`: what to do with weight files in `path` that this save does not write
         (such as a `consolidated.safetensors` or a `pytorch_model.bin`): `"refuse"` raises an
         error naming them, `"keep"` copies them, `"drop"` leaves them out.
+    - `files`: more files for the same atomic directory, by name: their bytes, or a path to
+        copy (such as the base checkpoint's tokenizer files). Not `config.json`, which this
+        writes.
     """
+    if files is not None and "config.json" in files:
+        raise ValueError("`files` must not hold 'config.json': save_hf writes it from the model.")
     config = model.config.to_hf()
     config["dtype"] = jnp.dtype(model.dtype).name
     eqx_lean.save_tensors(
@@ -318,6 +324,6 @@ def save_hf(
         model,
         _hf_name,
         max_shard_bytes=max_shard_bytes,
-        files={"config.json": (json.dumps(config, indent=2) + "\n").encode()},
+        files={**(files or {}), "config.json": (json.dumps(config, indent=2) + "\n").encode()},
         other_weights=other_weights,
     )
