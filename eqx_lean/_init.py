@@ -25,7 +25,15 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import Array, PRNGKeyArray
 
-from ._core import axis_names, check_spec
+from ._core import (
+    WriteCache,
+    aval_key,
+    axis_names,
+    check_spec,
+    closed_jaxpr_key,
+    has_tracers,
+    settings_key,
+)
 from ._init_tiles import tiles_of
 
 
@@ -210,9 +218,6 @@ def _fill_local(
     return lax.fori_loop(0, -(-num_local // group), step, out)
 
 
-@functools.partial(
-    jax.jit, static_argnames=("tiles", "shape", "dtype", "sharding", "max_chunk_bytes")
-)
 def _chunked_fill(
     key: PRNGKeyArray,
     *,
@@ -243,6 +248,35 @@ def _chunked_fill(
     return jax.shard_map(
         fill, mesh=sharding.mesh, in_specs=PartitionSpec(), out_specs=sharding.spec
     )(key)
+
+
+# Compiled fills by content, as build_stacked's writes (`eqx_lean.clear_caches` empties it).
+_FILLS = WriteCache()
+
+
+def _fill(key: PRNGKeyArray, **static: Any) -> Array:
+    """`_chunked_fill`, traced afresh on every call; compiled programs are reused by content.
+
+    The initializer may read Python state (a global, an array it closes over, updated in place):
+    a trace cache keyed on the initializer object would return the values of its first call.
+    So a new function is traced each time and its program, constants and settings are the key.
+    """
+    fill = functools.partial(_chunked_fill, **static)
+    if has_tracers(key):  # inside a trace: traced into it, freshly
+        return fill(key)
+    traced = jax.jit(fill).trace(key)
+    content = (
+        closed_jaxpr_key(traced.jaxpr),
+        aval_key(jax.typeof(key)),
+        repr(getattr(key, "sharding", None)),
+        settings_key(),
+        jax.default_backend(),
+    )
+    compiled = _FILLS.get(content)
+    if compiled is None:
+        compiled = traced.lower().compile()
+        _FILLS.put(content, compiled)
+    return compiled(key)
 
 
 #
@@ -312,6 +346,8 @@ def chunked(
     distribution, with the same per-element law the plain initializer gives the *whole* tensor
     (variance-scaling initializers use the full shape's fans). They depend only on `key`, `shape`
     and `dtype`: not on `max_chunk_bytes` and not on `out_sharding` or the number of devices.
+    Every call traces the initializer afresh, so it sees the Python state of its moment (a global,
+    an array updated in place); compiled programs are reused by content, as `build_stacked`'s are.
 
     Tiles are a fixed grid of near-square blocks of at most 2**18 elements; tile `i` (row-major
     over the grid) is `initializer(jax.random.fold_in(key, i), tile_shape, dtype)` for
@@ -359,7 +395,7 @@ def chunked(
             ones = (1,) * len(dims)
             drawn = jax.eval_shape(lambda k: tiles.draw(k, ones, ones, dtype), key)
             return jnp.zeros(dims, drawn.dtype, out_sharding=sharding)
-        return _chunked_fill(
+        return _fill(
             key,
             tiles=tiles,
             shape=dims,

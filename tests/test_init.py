@@ -1,3 +1,4 @@
+import gc
 import itertools
 import json
 import math
@@ -5,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import weakref
 from pathlib import Path
 
 import jax
@@ -251,6 +253,62 @@ def test_temporaries_bounded_by_the_chunk(getkey):
     assert plain >= 2 * 4096 * 4096 * 4
     bigger_chunks = temp_bytes(lambda k: chunked(inits.lecun_normal(), 2**22)(k, (4096, 4096)), key)
     assert 8 * 2**20 < bigger_chunks <= 32 * 2**20
+
+
+#
+# Compiled fills are reused by content, never by the initializer object
+#
+
+
+def test_a_constant_array_updated_in_place_gives_new_values(getkey):
+    value = np.array(1.0, np.float32)
+    init = chunked(inits.constant(value))
+    key = getkey()
+    assert np.all(np.asarray(init(key, (5, 7))) == 1.0)
+    value[...] = 5.0
+    assert np.all(np.asarray(init(key, (5, 7))) == 5.0)
+
+
+SCALE = 1.0
+
+
+def scaled_normal(key, shape, dtype=jnp.float32):
+    return SCALE * jax.random.normal(key, shape, dtype)
+
+
+def test_a_global_read_by_the_initializer_gives_new_values(getkey, monkeypatch):
+    init = chunked(scaled_normal, elementwise=True)
+    key = getkey()
+    first = np.asarray(init(key, (5, 7)))
+    monkeypatch.setattr(sys.modules[__name__], "SCALE", 100.0)
+    # (XLA may fold the scale into the draw's own last multiply: equal up to rounding.)
+    np.testing.assert_allclose(np.asarray(init(key, (5, 7))), 100.0 * first, rtol=1e-6)
+    under_jit = jax.jit(lambda k: init(k, (5, 7)))(key)
+    np.testing.assert_allclose(np.asarray(under_jit), 100.0 * first, rtol=1e-6)
+
+
+def test_an_equal_fresh_initializer_compiles_nothing_and_is_not_kept(getkey, compiles):
+    key = getkey()
+    first = chunked(inits.normal(0.02))(key, (64, 48))
+    before = compiles.count
+    second = chunked(inits.normal(0.02))(key, (64, 48))
+    assert compiles.count == before
+    np.testing.assert_array_equal(np.asarray(first), np.asarray(second))
+    initializer = inits.normal(0.02)
+    alive = weakref.ref(initializer)
+    chunked(initializer)(key, (64, 48))
+    del initializer
+    gc.collect()
+    assert alive() is None
+
+
+def test_clear_caches_forgets_the_compiled_fills(getkey, compiles):
+    key = getkey()
+    chunked(inits.normal(0.02))(key, (64, 40))
+    eqx_lean.clear_caches()
+    before = compiles.count
+    chunked(inits.normal(0.02))(key, (64, 40))
+    assert compiles.count > before
 
 
 #

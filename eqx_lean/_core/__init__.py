@@ -66,11 +66,18 @@ from .policy import (
     stacked_sharding as stacked_sharding,
     stacked_shardings as stacked_shardings,
 )
-from .program import LayerProgram as LayerProgram, trace_layer as trace_layer
+from .program import (
+    LayerProgram as LayerProgram,
+    aval_key as aval_key,
+    closed_jaxpr_key as closed_jaxpr_key,
+    has_tracers as has_tracers,
+    trace_layer as trace_layer,
+)
 from .writes import (
     WRITES as WRITES,
     BuildPlan as BuildPlan,
     Group as Group,
+    WriteCache as WriteCache,
     allocate as allocate,
     as_bits as as_bits,
     clear_caches as clear_caches,
@@ -83,6 +90,7 @@ from .writes import (
     lower_writes as lower_writes,
     memory_analysis as memory_analysis,
     plan_build as plan_build,
+    settings_key as settings_key,
     trace_writes as trace_writes,
     update_rows as update_rows,
     write_layer as write_layer,

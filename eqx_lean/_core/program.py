@@ -164,6 +164,11 @@ def jaxpr_key(jaxpr: Any) -> Hashable:
     return (constvars, invars, eqns, outvars)
 
 
+def closed_jaxpr_key(closed: Any) -> Hashable:
+    """The content of a closed jaxpr: its program (`jaxpr_key`) and its constants by value."""
+    return _value_key(closed)
+
+
 # Closed-over arrays up to this size are embedded in the compiled writes (see the docstring).
 EMBED_MAX_BYTES = 2**20
 
