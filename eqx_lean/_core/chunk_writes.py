@@ -12,13 +12,11 @@ from typing import TYPE_CHECKING, Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import Array
 
 from .. import _platform
-from .policy import is_floating
-from .writes import WriteCache, as_bits, delete_arrays
+from .writes import WriteCache, delete_arrays, update_slice
 
 
 if TYPE_CHECKING:
@@ -26,14 +24,6 @@ if TYPE_CHECKING:
 
 
 ALIGN = 64  # XLA:CPU uses a contiguous host array aligned to this in place, without a copy
-
-
-def _update(buffer: Array, value: Array, index: tuple[Any, ...], bit_writes: bool) -> Array:
-    value = value.astype(buffer.dtype)
-    if not (bit_writes and is_floating(buffer.dtype)):
-        return lax.dynamic_update_slice(buffer, value, index)
-    updated = lax.dynamic_update_slice(as_bits(buffer), as_bits(value), index)
-    return lax.bitcast_convert_type(updated, buffer.dtype)
 
 
 def _write_fn(stacked: bool, bit_writes: bool) -> Callable[..., tuple[Array, ...]]:
@@ -45,7 +35,7 @@ def _write_fn(stacked: bool, bit_writes: bool) -> Callable[..., tuple[Array, ...
             if buffer.ndim > len(index):
                 index.append(offsets[k + 1])
             index += [jnp.int32(0)] * (buffer.ndim - len(index))
-            updated.append(_update(buffer, value, tuple(index), bit_writes))
+            updated.append(update_slice(buffer, value, index, bit_writes=bit_writes))
         return tuple(updated)
 
     return write_chunks

@@ -78,18 +78,25 @@ def as_bits(x: Array) -> Array:
     return lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
 
 
-def update_rows(buffer: Array, value: Array, start: Any, *, bit_writes: bool) -> Array:
-    """`buffer` with rows `start : start + len(value)` of its leading axis set to `value`, cast.
+def update_slice(buffer: Array, value: Array, index: Sequence[Any], *, bit_writes: bool) -> Array:
+    """`buffer` with the block at `index` (one start per dimension) set to `value`, cast.
 
     With `bit_writes` (XLA:CPU: it updates bfloat16 in place several times slower than unsigned
-    integers of the same width), floating rows are moved as bits; the bitcasts are free and keep
-    a donated buffer aliased.
+    integers of the same width), floating values are moved as bits; the bitcasts are free and
+    keep a donated buffer aliased.
     """
     value = value.astype(buffer.dtype)
     if not (bit_writes and is_floating(buffer.dtype)):
-        return lax.dynamic_update_slice_in_dim(buffer, value, start, 0)
-    updated = lax.dynamic_update_slice_in_dim(as_bits(buffer), as_bits(value), start, 0)
+        return lax.dynamic_update_slice(buffer, value, tuple(index))
+    updated = lax.dynamic_update_slice(as_bits(buffer), as_bits(value), tuple(index))
     return lax.bitcast_convert_type(updated, buffer.dtype)
+
+
+def update_rows(buffer: Array, value: Array, start: Any, *, bit_writes: bool) -> Array:
+    """`buffer` with rows `start : start + len(value)` of its leading axis set to `value`, cast
+    (moved as bits with `bit_writes`, see `update_slice`)."""
+    index = (start, *(0,) * (buffer.ndim - 1))
+    return update_slice(buffer, value, index, bit_writes=bit_writes)
 
 
 def write_slice(buffer: Array, value: Array, index: Any, *, bit_writes: bool) -> Array:
