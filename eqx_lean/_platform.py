@@ -164,14 +164,14 @@ def host_view(array: jax.Array) -> np.ndarray | None:
     return np.frombuffer(memoryview(memory), dtype, array.size).reshape(array.shape)
 
 
-# PJRT's CPU client aliases a NumPy array's memory instead of copying it when the data is
-# aligned to this many bytes (`jax.device_put` ignores `may_alias=False` for NumPy input).
-_ZERO_COPY_ALIGNMENT = 64
+ZERO_COPY_ALIGNMENT = 64
+"""PJRT's CPU client uses host memory aligned to this many bytes in place, without a copy
+(`jax.device_put` of NumPy data so aligned aliases it, even with `may_alias=False`)."""
 
 
 def _misaligned_offset(address: int, itemsize: int) -> int:
     """An offset from `address` (a multiple of `itemsize`) where data is not 64-byte aligned."""
-    return 0 if address % _ZERO_COPY_ALIGNMENT else itemsize
+    return 0 if address % ZERO_COPY_ALIGNMENT else itemsize
 
 
 def host_zeros(shape: tuple[int, ...], dtype: Any, device: Any) -> jax.Array:
@@ -197,7 +197,7 @@ def host_zeros(shape: tuple[int, ...], dtype: Any, device: Any) -> jax.Array:
     # into a new, possibly aligned one.
     dtype = np.dtype(jax.dtypes.canonicalize_dtype(dtype))
     size = int(np.prod(shape, dtype=np.int64))
-    raw = np.zeros(size * dtype.itemsize + _ZERO_COPY_ALIGNMENT, np.uint8)
+    raw = np.zeros(size * dtype.itemsize + ZERO_COPY_ALIGNMENT, np.uint8)
     offset = _misaligned_offset(raw.ctypes.data, dtype.itemsize)
     zeros = raw[offset : offset + size * dtype.itemsize].view(dtype).reshape(shape)
     array = jax.device_put(zeros, device)

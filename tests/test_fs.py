@@ -77,6 +77,12 @@ def test_copy_file_copies_content_mode_and_times_never_a_link(tmp_path, calls):
     assert calls == [(w, op, "copy") for op in ("copy", "fsync") for w in ("before", "after")]
     fs.copy_file(source, tmp_path / "private", mode=0o600)
     assert stat.S_IMODE(os.stat(tmp_path / "private").st_mode) == 0o600
+    previous = os.umask(0o027)
+    try:
+        fs.copy_file(source, tmp_path / "new", mode="new")
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE(os.stat(tmp_path / "new").st_mode) == 0o640
     with pytest.raises(FileExistsError):
         fs.copy_file(source, tmp_path / "copy")
     with pytest.raises(ValueError, match="must be a regular file"):

@@ -276,6 +276,19 @@ def test_directory_mode_is_kept(tmp_path, mode):
     assert stat.S_IMODE(os.stat(tmp_path / "ckpt").st_mode) == mode
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_a_given_file_to_copy_gets_a_new_file_s_mode_not_its_source_s(tmp_path, umask):
+    source = tmp_path / "tok.json"
+    source.write_text("{}")
+    os.chmod(source, 0o600)
+    previous = os.umask(umask)
+    try:
+        eqx_lean.save_stacked(tmp_path / "ckpt", stacked(2, 1), NAMES, files={"t.json": source})
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE(os.stat(tmp_path / "ckpt" / "t.json").st_mode) == 0o666 & ~umask
+
+
 @pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])
 def test_new_files_get_what_a_normal_write_gives_old_ones_keep_their_mode(tmp_path, umask):
     previous = os.umask(umask)

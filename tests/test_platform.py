@@ -116,7 +116,7 @@ def test_host_zeros_are_owned_by_xla_so_a_donation_reuses_them(dtype, device):
 def test_host_zeros_copy_what_device_put_aliased(monkeypatch):
     # Force the aligned offset at which `device_put` aliases NumPy's memory: the alias is seen
     # and copied into XLA's own buffer.
-    aligned = lambda address, itemsize: -address % _platform._ZERO_COPY_ALIGNMENT  # noqa: E731
+    aligned = lambda address, itemsize: -address % _platform.ZERO_COPY_ALIGNMENT  # noqa: E731
     monkeypatch.setattr(_platform, "_misaligned_offset", aligned)
     put = jax.device_put
     aliased = []

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from .chunks import ChunkGroup, Reader, Releaser
 
 
-ALIGN = 64  # XLA:CPU uses a contiguous host array aligned to this in place, without a copy
+ALIGN = _platform.ZERO_COPY_ALIGNMENT  # host arrays so aligned are used in place, not copied
 
 
 def _write_fn(stacked: bool, bit_writes: bool) -> Callable[..., tuple[Array, ...]]:

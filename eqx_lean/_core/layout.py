@@ -83,16 +83,16 @@ def num_layers_of_keys(keys: Any) -> int:
     return keys.shape[0]
 
 
-def num_layers_of_stack(dynamic: Any, what: str = "stacked") -> int:
+def num_layers_of_stack(dynamic: Any) -> int:
     """The length of the leading layer axis shared by every array leaf of `dynamic`."""
     leaves = jax.tree.leaves(dynamic)
     if not leaves:
-        raise ValueError(f"`{what}` has no array leaves, so it has no layer axis.")
+        raise ValueError("`stacked` has no array leaves, so it has no layer axis.")
     lengths = {np.shape(x)[0] if np.ndim(x) else None for x in leaves}
     (length,) = lengths if len(lengths) == 1 else (None,)
     if length is None:
         raise ValueError(
-            f"`{what}` must have one leading layer axis of the same length on every array leaf; "
+            "`stacked` must have one leading layer axis of the same length on every array leaf; "
             f"found leading axes {sorted(str(n) for n in lengths)}."
         )
     return length

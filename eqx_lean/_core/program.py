@@ -199,11 +199,6 @@ class LayerProgram(NamedTuple):
     layout: Layout
     key: Hashable
 
-    def layer(self, key: Any, consts: tuple[Any, ...] | None = None) -> list[Any]:
-        """The layer's array leaves for one key, computed by the traced program."""
-        closed = jcore.ClosedJaxpr(self.jaxpr, list(self.consts if consts is None else consts))
-        return jcore.jaxpr_as_fun(closed)(key)
-
     def argument_consts(self) -> tuple[Any, ...]:
         """The constants compiled writes take as arguments (those not embedded)."""
         return tuple(c for c, e in zip(self.consts, self.embedded, strict=True) if not e)

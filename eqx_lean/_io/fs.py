@@ -37,27 +37,14 @@ import stat
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 
 Hook = Callable[[str, str, tuple[str, ...]], None]
 
 HOOKS: list[Hook] = []
-"""Called before and after every operation of this module: `hook(when, op, paths)`."""
-
-OPS = (
-    "mkdir",
-    "create",
-    "write",
-    "chmod",
-    "fsync",
-    "copy",
-    "symlink",
-    "fsync_dir",
-    "rename",
-    "exchange",
-    "remove",
-)
+"""Called before and after every operation of this module: `hook(when, op, paths)`, with `op`
+one of mkdir, create, write, chmod, fsync, copy, symlink, fsync_dir, rename, exchange, remove."""
 
 
 @contextlib.contextmanager
@@ -195,7 +182,7 @@ def _copy_data(source: int, target: int) -> str:
     return "read"
 
 
-def copy_file(source: Path, path: Path, mode: int | None = None) -> str:
+def copy_file(source: Path, path: Path, mode: int | Literal["source", "new"] = "source") -> str:
     """Copies the regular file `source` (links followed) to the new file `path`, and flushes it.
 
     The copy never shares storage that a later write could change through (no hard link, no
@@ -205,8 +192,9 @@ def copy_file(source: Path, path: Path, mode: int | None = None) -> str:
 
     - `source`: the file to copy; a symbolic link is followed.
     - `path`: a file that must not exist yet.
-    - `mode`: its permission bits; `None` keeps `source`'s. Access and modification times are
-        kept.
+    - `mode`: its permission bits: `"source"` keeps `source`'s, `"new"` gives what any new file
+        gets (`0o666` less the umask), or the bits themselves. Access and modification times
+        are kept.
 
     **Returns:**
 
@@ -218,10 +206,12 @@ def copy_file(source: Path, path: Path, mode: int | None = None) -> str:
         if not stat.S_ISREG(info.st_mode):
             raise ValueError(f"{source} must be a regular file to be copied into a checkpoint.")
         with _step("copy", path):
-            fd = os.open(path, _NEW_FILE, 0o600)
+            # Readable by this user alone until its mode is set, unless it gets a new file's.
+            fd = os.open(path, _NEW_FILE, 0o666 if mode == "new" else 0o600)
             try:
                 how = _copy_data(source_fd, fd)
-                os.fchmod(fd, stat.S_IMODE(info.st_mode) if mode is None else mode)
+                if mode != "new":
+                    os.fchmod(fd, stat.S_IMODE(info.st_mode) if mode == "source" else mode)
                 os.utime(fd, ns=(info.st_atime_ns, info.st_mtime_ns))
             except BaseException:
                 os.close(fd)

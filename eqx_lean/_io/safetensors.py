@@ -20,13 +20,14 @@ from typing import Any, NamedTuple, TypeGuard
 import jax.numpy as jnp
 import numpy as np
 
+from .._platform import ZERO_COPY_ALIGNMENT
+
 
 INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 _MAX_HEADER_BYTES = 100_000_000  # the limit of the reference `safetensors` implementation
-ALIGN = 64  # JAX on CPU uses host arrays aligned to this in place (no copy)
+ALIGN = ZERO_COPY_ALIGNMENT  # tensor data so aligned is used in place by JAX on CPU (no copy)
 
 # safetensors' dtype codes; byte order is always little-endian.
 DTYPES: dict[str, np.dtype] = {

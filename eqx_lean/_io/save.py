@@ -242,26 +242,12 @@ def _save(
             if isinstance(content, bytes):
                 fs.write_file(new / name, [content], modes.get(name))
             else:
-                fs.copy_file(content, new / name, modes.get(name, _new_file_mode()))
+                fs.copy_file(content, new / name, modes.get(name, "new"))
 
     # Arrays are sliced by small jitted functions on the devices holding them: a mesh set with
     # `jax.set_mesh` would make those refuse arrays on one device of it.
     with jax.set_mesh(None):
         directory.replace(target, write_owned)
-
-
-def _new_file_mode() -> int:
-    """The mode a new file gets from `open(..., "w")`: 0o666 less the process's umask."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return 0o666 & ~int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
-    mask = os.umask(0o022)  # not thread-safe, hence only where /proc says nothing
-    os.umask(mask)
-    return 0o666 & ~mask
 
 
 def save_tensors(
