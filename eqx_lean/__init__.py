@@ -17,7 +17,8 @@ from ._io import (
     save_stacked as save_stacked,
     save_tensors as save_tensors,
 )
-from ._scan import NestedRemat as NestedRemat, fold as fold, scan as scan
+from ._remat import NestedRemat as NestedRemat
+from ._scan import fold as fold, scan as scan
 
 
 __version__ = "0.2.0"

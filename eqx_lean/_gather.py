@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec, Sharding
 # The package's one sharding resolver: `build_stacked(sharding=...)` means the same.
 from . import _platform
 from ._core import ShardingPolicy, has_explicit_axes, resolve_shardings
+from ._remat import checkpointed
 
 
 Gather: TypeAlias = bool | ShardingPolicy
@@ -167,9 +168,7 @@ def gathered_step(step: _Step, targets: _Targets) -> _Step:
         return [x if t is None else _constrain(x, t) for x, t in zip(leaves, targets, strict=True)]
 
     # Saved as residuals, the gathered layers of a whole stack would be held at once.
-    gather_leaves = jax.checkpoint(
-        gather_leaves, prevent_cse=False, policy=jax.checkpoint_policies.nothing_saveable
-    )
+    gather_leaves = checkpointed(gather_leaves, jax.checkpoint_policies.nothing_saveable)
 
     def step_on_gathered(layer: Any, carry: Any, x: Any) -> tuple[Any, Any]:
         leaves, treedef = jax.tree.flatten(layer)

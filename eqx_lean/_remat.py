@@ -87,12 +87,32 @@ def default_group_size(num_layers: int) -> int:
     return max(1, round(root))
 
 
-def checkpointed(
-    step: Callable[[Any, Any, Any], tuple[Any, Any]], policy: _Policy | None
-) -> Callable[[Any, Any, Any], tuple[Any, Any]]:
-    # Inside a scan body there is nothing for CSE to merge across iterations, so the
+# What one layer's backward pass keeps from its forward: `SAVE_ALL` (no checkpoint, every
+# residual that depends on the activations is saved) or a `jax.checkpoint_policies` policy.
+SAVE_ALL = "save_all"
+LayerPolicy: TypeAlias = _Policy | str
+
+
+def resolve_remat(remat: Remat, num_layers: int) -> tuple[LayerPolicy, int | None]:
+    """What `remat=` asks of `num_layers` layers: each layer's policy (`SAVE_ALL`, or the
+    `jax.checkpoint` policy of its step) and, for nested remat, the group size (else `None`)."""
+    if remat == "nested":
+        remat = NestedRemat()
+    if isinstance(remat, NestedRemat):
+        group_size = min(remat.group_size or default_group_size(num_layers), num_layers)
+        return remat.policy or jax.checkpoint_policies.nothing_saveable, group_size
+    if remat is None or remat is False:
+        return SAVE_ALL, None
+    if remat is True:
+        return jax.checkpoint_policies.nothing_saveable, None
+    return remat, None
+
+
+def checkpointed(fn: Callable[..., Any], policy: _Policy | None) -> Callable[..., Any]:
+    """`jax.checkpoint(fn, policy=policy)`, for functions run in a loop body."""
+    # Inside a loop body there is nothing for CSE to merge across iterations, so the
     # optimisation barrier that prevent_cse adds would only cost performance.
-    return jax.checkpoint(step, prevent_cse=False, policy=policy)
+    return jax.checkpoint(fn, prevent_cse=False, policy=policy)
 
 
 def scan_layers(
@@ -136,13 +156,12 @@ def nested_scan(
     carry: Any,
     xs: Any,
     num_layers: int,
-    remat: NestedRemat,
+    policy: _Policy,
+    group_size: int,
     unroll: int | bool,
 ) -> tuple[Any, Any]:
-    group_size = remat.group_size or default_group_size(num_layers)
-    group_size = min(group_size, num_layers)
     num_groups, rest = divmod(num_layers, group_size)
-    inner = checkpointed(step, remat.policy)
+    inner = checkpointed(step, policy)
 
     def group(layers: Any, carry: Any, group_xs: Any) -> tuple[Any, Any]:
         return scan_layers(inner, layers, carry, group_xs, unroll)

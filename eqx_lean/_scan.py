@@ -16,15 +16,15 @@ from . import _compat, _platform
 from ._core import num_layers_of_stack
 from ._gather import Gather, gather_targets, gathered_step, tie_gradient_shardings
 from ._remat import (
-    NestedRemat,
+    SAVE_ALL,
     Remat,
     check_remat,
     checkpointed,
-    default_group_size,
     nested_scan,
+    resolve_remat,
     scan_layers,
 )
-from ._scan_grad import SAVE_ALL, differentiated_by_index
+from ._scan_grad import differentiated_by_index
 
 
 Carry = TypeVar("Carry")
@@ -236,33 +236,22 @@ def _scan(
         return _empty_scan(step, dynamic, carry, xs)
     dynamic = tie_gradient_shardings(dynamic, targets)
     step_with, consts = _hoist_closure(step, dynamic, carry, xs)
-    if remat == "nested":
-        remat = NestedRemat()
+    policy, group_size = resolve_remat(remat, num_layers)
 
     def differentiable(consts: list[Array], dynamic: Any, carry: Any, xs: Any) -> Any:
         step = functools.partial(step_with, consts)
-        if isinstance(remat, NestedRemat):
-            return nested_scan(step, dynamic, carry, xs, num_layers, remat, unroll)
-        if remat is True:
-            step = checkpointed(step, None)
-        elif callable(remat):
-            step = checkpointed(step, remat)
-        return scan_layers(step, dynamic, carry, xs, unroll)
+        if policy == SAVE_ALL:
+            return scan_layers(step, dynamic, carry, xs, unroll)
+        assert callable(policy)
+        if group_size is not None:
+            return nested_scan(step, dynamic, carry, xs, num_layers, policy, group_size, unroll)
+        return scan_layers(checkpointed(step, policy), dynamic, carry, xs, unroll)
 
     def primal(consts: list[Array], dynamic: Any, carry: Any, xs: Any) -> Any:
         step = functools.partial(step_with, consts)
         return _scan_by_index(step, dynamic, carry, xs, num_layers, unroll)
 
     if _compat.has_custom_transpose():
-        if isinstance(remat, NestedRemat):
-            group_size = min(remat.group_size or default_group_size(num_layers), num_layers)
-            policy = remat.policy or jax.checkpoint_policies.nothing_saveable
-        else:
-            group_size = None
-            policy = {None: SAVE_ALL, True: jax.checkpoint_policies.nothing_saveable}.get(
-                remat,
-                remat,  # pyright: ignore[reportArgumentType, reportCallIssue]
-            )
         return differentiated_by_index(
             step_with,
             primal,

@@ -31,14 +31,11 @@ from jaxtyping import Array
 
 from . import _platform
 from ._compat import linear_call_with_transpose
+from ._remat import LayerPolicy, checkpointed
 
 
 # `(consts, layer, carry, x) -> (carry, y)`, the closure-converted per-layer step.
 Step = Callable[[list[Array], Any, Any, Any], tuple[Any, Any]]
-# What one layer's backward pass keeps from its forward: `SAVE_ALL` (no checkpoint, every
-# residual that depends on the activations is saved) or a `jax.checkpoint_policies` policy.
-SAVE_ALL = "save_all"
-LayerPolicy = Callable[..., bool] | str
 
 
 def _is_inexact(x: Any) -> bool:
@@ -174,9 +171,8 @@ class _Loops:
             lin.out_inexact = tuple(_is_inexact(o) for o in leaves)
             return _select(leaves, lin.out_inexact), _select(leaves, lin.out_inexact, False)
 
-        if self.policy != SAVE_ALL:
-            # In a loop body CSE has nothing to merge across iterations: no barrier needed.
-            layer = jax.checkpoint(layer, prevent_cse=False, policy=self.policy)  # pyright: ignore
+        if callable(self.policy):  # not SAVE_ALL
+            layer = checkpointed(layer, self.policy)
         return jax.vjp(layer, *_select(inputs, diff), has_aux=True)
 
     def layer_inputs(self, i: Any, carry_leaves: list[Array]) -> list[Array]:

@@ -977,3 +977,17 @@ def test_gradient_through_a_vmapped_fold_matches_the_loop(mlp, remat):
     with _compat.without_private_jax():
         jax_s_own = temps(vmapped)
     assert with_index_loops <= jax_s_own
+
+
+def test_remat_false_keeps_everything_as_none_does():
+    stacked = {"w": 0.1 * jnp.ones((3, 4, 4))}
+
+    def rematerialised(remat) -> int:
+        def loss(stacked):
+            call = lambda layer, x: jnp.tanh(layer["w"] @ x)  # noqa: E731
+            return eqx_lean.fold(stacked, jnp.ones(4), call=call, remat=remat).sum()
+
+        return str(jax.make_jaxpr(jax.grad(loss))(stacked)).count("remat")
+
+    assert rematerialised(False) == rematerialised(None) == 0
+    assert rematerialised(True) > 0
