@@ -21,6 +21,7 @@ from .policy import (
     TreeDtypeRule,
     _as_floating_dtype,
     _is_rule,
+    check_dtype_policy,
     is_floating,
     leaf_dtype,
 )
@@ -28,12 +29,6 @@ from .policy import (
 
 def _is_array_like(x: Any) -> bool:
     return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
-
-
-def _check_otherwise(otherwise: Any) -> DtypePolicy:
-    if otherwise is None or isinstance(otherwise, TreeDtypeRule) or _is_rule(otherwise):
-        return otherwise
-    return _as_floating_dtype(otherwise, "`otherwise`")
 
 
 def _bind_otherwise(
@@ -197,7 +192,9 @@ def for_modules(
             "`types` must be a module class or a non-empty tuple of classes, such as "
             f"`eqx.nn.LayerNorm` or `(eqx.nn.LayerNorm, eqx.nn.RMSNorm)`; got {types!r}."
         )
-    return ForModules(as_tuple, _as_floating_dtype(dtype, "`dtype`"), _check_otherwise(otherwise))
+    return ForModules(
+        as_tuple, _as_floating_dtype(dtype, "`dtype`"), check_dtype_policy(otherwise, "`otherwise`")
+    )
 
 
 def for_vectors(dtype: DtypeLike, *, otherwise: DtypePolicy = None) -> TreeDtypeRule:
@@ -224,7 +221,9 @@ def for_vectors(dtype: DtypeLike, *, otherwise: DtypePolicy = None) -> TreeDtype
 
     A dtype rule for any `dtype=` argument of eqx_lean.
     """
-    return ForVectors(_as_floating_dtype(dtype, "`dtype`"), _check_otherwise(otherwise))
+    return ForVectors(
+        _as_floating_dtype(dtype, "`dtype`"), check_dtype_policy(otherwise, "`otherwise`")
+    )
 
 
 def resolve_dtypes(

@@ -43,11 +43,12 @@ def _as_floating_dtype(value: Any, what: str) -> np.dtype:
     return dtype
 
 
-def check_dtype_policy(dtype: DtypePolicy) -> DtypePolicy:
-    """Validates a `dtype` argument eagerly, so a bad one fails before anything is built."""
+def check_dtype_policy(dtype: DtypePolicy, argument: str = "`dtype`") -> DtypePolicy:
+    """Validates a `dtype` argument (or another `argument` that takes the same forms) eagerly,
+    so a bad one fails before anything is built."""
     if dtype is None or isinstance(dtype, TreeDtypeRule) or _is_rule(dtype):
         return dtype
-    return _as_floating_dtype(dtype, "`dtype`")
+    return _as_floating_dtype(dtype, argument)
 
 
 def _is_rule(dtype: DtypePolicy) -> TypeGuard[DtypeRule]:
