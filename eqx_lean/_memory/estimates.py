@@ -14,7 +14,7 @@ from jax.sharding import Mesh, Sharding
 from jaxtyping import PRNGKeyArray
 
 from .. import _core
-from .._core import DtypePolicy, ShardingPolicy, stacked_sharding
+from .._core import DtypePolicy, ShardingPolicy
 from .leaves import LeafReport, leaf_report
 from .table import MiB, format_bytes, table
 
@@ -45,12 +45,6 @@ _GLIBC_MMAP_THRESHOLD_MAX = 32 * MiB
 
 def _nbytes(struct: Any) -> int:
     return math.prod(struct.shape) * struct.dtype.itemsize
-
-
-def _shard_nbytes(struct: jax.ShapeDtypeStruct, sharding: Sharding | None) -> int:
-    if sharding is None:
-        return _nbytes(struct)
-    return math.prod(sharding.shard_shape(struct.shape)) * struct.dtype.itemsize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,15 +152,6 @@ def _num_devices(shardings: Sequence[Sharding | None]) -> int:
         if sharding is not None:
             devices |= sharding.device_set
     return max(1, len(devices))
-
-
-def _final_bytes_per_device(plan: Any) -> int:
-    # The layer axis is replicated, so every device holds the same share of each leaf's shards
-    # (replicated leaves in full): the first device's share is the busiest one's.
-    return sum(
-        _shard_nbytes(struct, stacked_sharding(sharding))
-        for struct, sharding in zip(plan.structs, plan.shardings, strict=True)
-    )
 
 
 def _cpu_write_allowance(write_temps: Sequence[int]) -> int:
@@ -336,7 +321,9 @@ def estimate(
 
     platform = plan.platform
     on_cpu = platform == "cpu"
-    final_per_device = _final_bytes_per_device(plan)
+    # The layer axis is replicated, so every device holds the same share of each leaf.
+    leaves = leaf_report(plan)
+    final_per_device = sum(x.nbytes_per_device for x in leaves)
     overhead = _cpu_write_allowance(write_temps) if on_cpu else 0
     build_peak = final_per_device + max(write_temps, default=0) + overhead
     jit_peak = jitted.output_size_in_bytes + jitted.temp_size_in_bytes - jitted.alias_size_in_bytes
@@ -353,7 +340,7 @@ def estimate(
         num_devices=_num_devices(plan.shardings),
         layer_bytes=layer_bytes,
         construction_bytes=num_layers * layer_bytes,
-        final_bytes=sum(_nbytes(s) for s in plan.structs),
+        final_bytes=sum(x.nbytes for x in leaves),
         final_bytes_per_device=final_per_device,
         write_temp_bytes=tuple(write_temps),
         runtime_overhead=overhead,
@@ -361,5 +348,5 @@ def estimate(
         filter_vmap_peak=eager_peak,
         filter_jit_vmap_temp_bytes=jitted.temp_size_in_bytes,
         filter_jit_vmap_peak=jit_peak,
-        leaves=leaf_report(plan),
+        leaves=leaves,
     )

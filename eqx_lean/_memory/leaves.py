@@ -122,7 +122,7 @@ def leaf_report(plan: Any) -> LeafReport:
                 built_dtype=str(np.dtype(built.dtype)),
                 stored_dtype=str(np.dtype(stored.dtype)),
                 sharding=_describe_spec(sharding),
-                nbytes=math.prod(stored.shape) * np.dtype(stored.dtype).itemsize,
+                nbytes=_nbytes_per_device(stored, None),
                 nbytes_per_device=_nbytes_per_device(stored, stacked),
             )
         )
