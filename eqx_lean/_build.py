@@ -307,6 +307,10 @@ def layer_at(stacked: M, index: int | Array) -> M:
     num_layers = _core.num_layers_of_stack(dynamic)
     if isinstance(index, int | np.integer) and not -num_layers <= index < num_layers:
         raise IndexError(f"`index` must be in [{-num_layers}, {num_layers}); got {index}.")
+    return _layer(dynamic, static, index)
+
+
+def _layer(dynamic: Any, static: Any, index: int | Array) -> Any:
     return eqx.combine(jax.tree.map(lambda x: x[index], dynamic), static)
 
 
@@ -321,5 +325,5 @@ def unstack(stacked: M) -> list[M]:
 
     A list of `L` layers, layer `i` holding slice `i` of every array leaf.
     """
-    dynamic, _ = eqx.partition(stacked, eqx.is_array)
-    return [layer_at(stacked, i) for i in range(_core.num_layers_of_stack(dynamic))]
+    dynamic, static = eqx.partition(stacked, eqx.is_array)
+    return [_layer(dynamic, static, i) for i in range(_core.num_layers_of_stack(dynamic))]
