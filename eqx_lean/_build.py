@@ -58,9 +58,7 @@ def allocate_stacked(
     structs = _core.target_structs(layout, int(num_layers), _core.check_dtype_policy(dtype))
     per_layer = tuple(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in layout.structs)
     shardings = _core.resolve_shardings(sharding, mesh, layout.paths, per_layer, layout.treedef)
-    found = _core.current_mesh(mesh) or next(
-        (s.mesh for s in shardings if isinstance(s, jax.sharding.NamedSharding)), None
-    )
+    found = _core.mesh_of(mesh, shardings)
     axes = _core.check_layer_axis(layer_axis, found, int(num_layers))
     stacked = _core.stacked_shardings(layout.paths, shardings, axes, found)
     return layout.combine(_core.allocate(structs, stacked))

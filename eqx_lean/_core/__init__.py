@@ -60,6 +60,7 @@ from .policy import (
     has_explicit_axes as has_explicit_axes,
     is_floating as is_floating,
     leaf_dtype as leaf_dtype,
+    mesh_of as mesh_of,
     per_layer_sharding as per_layer_sharding,
     resolve_shardings as resolve_shardings,
     rule_error as rule_error,

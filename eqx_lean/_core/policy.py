@@ -245,6 +245,14 @@ def current_mesh(mesh: Any) -> Any:
     return None if found.empty else found
 
 
+def mesh_of(mesh: Any, shardings: Sequence[Sharding | None]) -> Any:
+    """The mesh of a call: `current_mesh(mesh)`, else that of its first `NamedSharding` (else
+    `None`); the mesh `layer_axis=` names its axes in."""
+    return current_mesh(mesh) or next(
+        (s.mesh for s in shardings if isinstance(s, NamedSharding)), None
+    )
+
+
 def _one_leaf_sharding(
     path: KeyPath, struct: Any, sharding: Any, mesh: Any, argument: str, per_layer: bool
 ) -> Sharding | None:

@@ -19,6 +19,7 @@ from .._core import (
     check_layer_axis,
     current_mesh,
     delete_arrays,
+    mesh_of,
     per_layer_sharding,
     resolve_dtypes,
     resolve_shardings,
@@ -124,9 +125,7 @@ def _resolve_shardings(
     shardings = resolve_shardings(
         sharding, mesh, layout.paths, seen, layout.treedef, per_layer=stacked
     )
-    mesh = current_mesh(mesh) or next(
-        (s.mesh for s in shardings if isinstance(s, jax.sharding.NamedSharding)), None
-    )
+    mesh = mesh_of(mesh, shardings)
     axes = check_layer_axis(layer_axis, mesh, num_layers) if num_layers else ()
     if layer_axis is not None and num_layers is None:
         raise ValueError(
