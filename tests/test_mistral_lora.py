@@ -22,13 +22,12 @@ from test_mistral import CONFIGS, hf_logits, hf_model, max_diff, tokens
 import examples.mistral7b.train as train_module
 from examples.mistral7b import MistralConfig, generate, init, load_hf
 from examples.mistral7b.finetune import make_lora_step, step_memory
-from examples.mistral7b.hf import abstract_model
+from examples.mistral7b.hf import abstract_model, write_layer
 from examples.mistral7b.lora import (
     TARGETS,
     LoraConfig,
     LoraLinear,
     _merged_layer,
-    _write_layer,
     add_lora,
     lora_filter,
     merge_lora,
@@ -436,7 +435,7 @@ def test_merge_writes_each_layer_in_place():
     scale = jax.ShapeDtypeStruct((), jnp.float32)
     read = _merged_layer.lower(weight, a, b, scale, index).compile().memory_analysis()
     layer = jax.ShapeDtypeStruct((out_features, in_features), jnp.bfloat16)
-    write = _write_layer.lower(weight, layer, index).compile().memory_analysis()
+    write = write_layer.lower(weight, layer, index).compile().memory_analysis()
     assert read is not None and write is not None
     layer_f32 = out_features * in_features * 4
     assert read.temp_size_in_bytes <= 1.1 * layer_f32

@@ -12,7 +12,6 @@ adapters in Hugging Face PEFT's format.
 """
 
 import dataclasses
-import functools
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -25,6 +24,7 @@ from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
 import eqx_lean
 
+from .hf import as_bits, write_layer
 from .model import DecoderBlock, Mistral, linear_product
 
 
@@ -239,10 +239,6 @@ def lora_filter(model: Mistral) -> PyTree[bool]:
     return spec
 
 
-def _bits(x: Array) -> Array:
-    return lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
-
-
 @jax.jit
 def _merged_layer(
     weight: Float[Array, "layers out in"],
@@ -254,22 +250,12 @@ def _merged_layer(
     """Layer `index` of `weight + scale * B A`, computed in float32, in `weight`'s dtype."""
     # Read as unsigned bits of the same width: XLA:CPU slices bfloat16 through float32, which
     # would convert the whole stack first.
-    w_bits = lax.dynamic_index_in_dim(_bits(weight), index, keepdims=False)
+    w_bits = lax.dynamic_index_in_dim(as_bits(weight), index, keepdims=False)
     w = lax.bitcast_convert_type(w_bits, weight.dtype).astype(jnp.float32)
     a = lax.dynamic_index_in_dim(lora_a, index, keepdims=False).astype(jnp.float32)
     b = lax.dynamic_index_in_dim(lora_b, index, keepdims=False).astype(jnp.float32)
     delta = jnp.matmul(b, a, precision=lax.Precision.HIGHEST) * scale
     return (w + delta).astype(weight.dtype)
-
-
-@functools.partial(jax.jit, donate_argnums=0)
-def _write_layer(
-    weight: Float[Array, "layers out in"], layer: Float[Array, "out in"], index: Array
-) -> Float[Array, "layers out in"]:
-    """`weight` with layer `index` replaced, in place (donated). A separate program from the
-    read: XLA cannot update a buffer in place in a program that also reads it elsewhere."""
-    updated = lax.dynamic_update_index_in_dim(_bits(weight), _bits(layer), index, 0)
-    return lax.bitcast_convert_type(updated, weight.dtype)
 
 
 def merge_lora(model: Mistral, *, donate: bool = False) -> Mistral:
@@ -298,7 +284,7 @@ def merge_lora(model: Mistral, *, donate: bool = False) -> Mistral:
         for i in range(weight.shape[0]):
             index = jnp.int32(i)
             merged_layer = _merged_layer(weight, layer.lora_A, layer.lora_B, scale, index)
-            weight = _write_layer(weight, merged_layer, index)
+            weight = write_layer(weight, merged_layer, index)
         where = TARGETS[target][1]
         merged = eqx.tree_at(lambda m: m.weight, layer.base, weight)
         model = eqx.tree_at(lambda m, where=where: where(m.layers), model, merged)
