@@ -13,11 +13,11 @@ stack beyond the largest write's temporaries, and their mean, the constant to us
 import dataclasses
 import json
 import statistics
-import subprocess
 import sys
 
 import jax
 import jax.numpy as jnp
+from _worker_runs import run_json
 
 from eqx_lean import _core
 from eqx_lean.bench._models import Block, BlockConfig
@@ -38,13 +38,7 @@ RUNS = 2
 
 def _measure(config: BlockConfig, dtype: str) -> dict:
     payload = json.dumps({**dataclasses.asdict(config), "dtype": dtype})
-    done = subprocess.run(
-        [sys.executable, "-m", "eqx_lean.bench._worker", "build_stacked", payload],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_json([sys.executable, "-m", "eqx_lean.bench._worker", "build_stacked", payload])
 
 
 def main() -> None:

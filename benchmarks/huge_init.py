@@ -21,10 +21,11 @@ four times the tensor).
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from _worker_runs import run_json
 
 
 ROWS, COLUMNS = 8192, 65536
@@ -121,15 +122,7 @@ def _run_worker(kind: str, config: dict) -> dict:
     ]
     flags.append(f"--xla_force_host_platform_device_count={config['devices']}")
     env["XLA_FLAGS"] = " ".join(flags)
-    done = subprocess.run(
-        [sys.executable, __file__, "--worker", kind, json.dumps(config)],
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"worker {kind} {config} failed:\n{done.stderr[-4000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_json([sys.executable, __file__, "--worker", kind, json.dumps(config)], env)
 
 
 #

@@ -27,11 +27,12 @@ model holds them; `fold` gets the same layers stacked.
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from _worker_runs import run_json
 
 
 MLP_BLOCK = dict(dim=128, hidden=512, heads=4, tokens=64, batch=1, attention=False)
@@ -161,11 +162,7 @@ def _worker(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _measure(spec: dict[str, Any]) -> dict[str, Any]:
-    command = [sys.executable, __file__, "--worker", json.dumps(spec)]
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"worker {spec} failed:\n{done.stderr[-4000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_json([sys.executable, __file__, "--worker", json.dumps(spec)])
 
 
 def _compile_times(config: dict[str, Any], method: str, num_layers: int, repeats: int):

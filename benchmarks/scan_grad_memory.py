@@ -29,11 +29,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from _worker_runs import run_json
 
 
 LAYERS, DIM, RANK, BATCH = 16, 2048, 8, 4
@@ -116,11 +117,7 @@ def _measure(spec: dict[str, Any], earlier: bool) -> Any:
     env.pop("EQX_LEAN_NO_PRIVATE_JAX", None)
     if earlier:
         env["EQX_LEAN_NO_PRIVATE_JAX"] = "1"
-    command = [sys.executable, __file__, "--worker", json.dumps(spec)]
-    done = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
-    if done.returncode != 0:
-        raise RuntimeError(f"worker {spec} failed:\n{done.stderr[-4000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_json([sys.executable, __file__, "--worker", json.dumps(spec)], env)
 
 
 def _memory_part() -> None:
