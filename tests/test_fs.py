@@ -6,6 +6,7 @@ import os
 import platform
 import stat
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -67,7 +68,7 @@ def test_copy_file_copies_content_mode_and_times_never_a_link(tmp_path, calls):
     os.chmod(source, 0o604)
     os.utime(source, ns=(1_000_000_000, 2_000_000_000))
     os.symlink("source", tmp_path / "link")
-    how = fs.copy_file(tmp_path / "link", tmp_path / "copy")  # the link is followed
+    how = fs.copy_file(tmp_path / "link", tmp_path / "copy").how  # the link is followed
     assert how in ("reflink", "kernel", "read")
     copy = os.stat(tmp_path / "copy")
     assert (tmp_path / "copy").read_bytes() == source.read_bytes()
@@ -98,10 +99,10 @@ def test_copy_file_falls_back_to_reading_and_writing(tmp_path, monkeypatch):
 
     monkeypatch.setattr(fs.fcntl, "ioctl", unsupported)
     monkeypatch.setattr(fs.os, "copy_file_range", unsupported)
-    assert fs.copy_file(source, tmp_path / "copy") == "read"
+    assert fs.copy_file(source, tmp_path / "copy").how == "read"
     assert (tmp_path / "copy").read_bytes() == source.read_bytes()
     monkeypatch.delattr(fs.os, "copy_file_range")
-    assert fs.copy_file(source, tmp_path / "again") == "read"
+    assert fs.copy_file(source, tmp_path / "again").how == "read"
     assert (tmp_path / "again").read_bytes() == source.read_bytes()
 
 
@@ -196,3 +197,69 @@ def test_directory_operations_are_steps(tmp_path, calls):
     assert os.readlink(tmp_path / "l") == "d"
     ops = [("mkdir", "d"), ("symlink", "l"), ("chmod", "d"), ("fsync_dir", "d")]
     assert calls == [(w, op, name) for op, name in ops for w in ("before", "after")]
+
+
+def test_copy_file_reports_a_source_written_to_while_copied(tmp_path):
+    source = tmp_path / "source"
+    source.write_bytes(b"first")
+    settled = fs.copy_file(source, tmp_path / "copy").source
+    assert settled is not None and settled.st_size == 5
+
+    def append(when, op, paths):
+        if (when, op) == ("before", "copy"):
+            with open(source, "ab") as f:
+                f.write(b" and more")
+
+    with fs.hooked(append):
+        assert fs.copy_file(source, tmp_path / "torn").source is None
+
+
+def test_copy_file_refuses_a_fifo_without_waiting_for_a_writer(tmp_path):
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(ValueError, match="must be a regular file"):
+        fs.copy_file(tmp_path / "fifo", tmp_path / "copy")
+    assert not (tmp_path / "copy").exists()
+
+
+def test_lock_is_exclusive_never_waits_and_follows_no_link(tmp_path):
+    (tmp_path / "d").mkdir()
+    os.symlink("d", tmp_path / "link")
+    (tmp_path / "file").write_text("")
+    fd = fs.lock(tmp_path / "d")
+    assert fd is not None
+    try:
+        assert fs.lock(tmp_path / "d") is None  # another open file description: refused
+    finally:
+        os.close(fd)
+    again = fs.lock(tmp_path / "d")
+    assert again is not None
+    os.close(again)
+    for name in ("link", "file", "missing"):
+        assert fs.lock(tmp_path / name) is None, name
+
+
+def test_unlink_and_remove_are_steps_and_remove_accepts_a_vanished_tree(tmp_path, calls):
+    (tmp_path / "f").write_text("x")
+    os.symlink("f", tmp_path / "l")
+    fs.unlink(tmp_path / "l")
+    assert (tmp_path / "f").exists() and not os.path.lexists(tmp_path / "l")
+    fs.remove(tmp_path / "gone")  # deleted meanwhile by another cleaner: no error
+    assert calls == [
+        (w, op, n) for op, n in [("unlink", "l"), ("remove", "gone")] for w in ("before", "after")
+    ]
+
+
+@pytest.mark.parametrize("path", [b"ckpt", 3, None])
+def test_path_argument_refuses_what_is_not_a_str_or_path(path):
+    with pytest.raises(TypeError, match=r"`path` must be a `str` or an `os.PathLike`.*got"):
+        fs.path_argument(path)
+
+
+def test_path_argument_refuses_a_path_like_of_bytes():
+    class BytesPath:
+        def __fspath__(self):
+            return b"ckpt"
+
+    with pytest.raises(TypeError, match=r"got BytesPath .*whose path is bytes b'ckpt'.*fsdecode"):
+        fs.path_argument(BytesPath())
+    assert fs.path_argument(Path("a") / "b") == "a/b"

@@ -1,8 +1,8 @@
 """Every filesystem change a save makes, in one place, with a hook before and after each.
 
-This is internal API: `eqx_lean._io.directory` is its only caller, and the tests use the hooks
-for fault injection. A save changes the filesystem only through these operations, each one
-step:
+This is internal API: `eqx_lean._io.directory`, `.carry` and `.leftovers` are its only callers,
+and the tests use the hooks for fault injection. A save (and `eqx_lean.remove_leftovers`)
+changes the filesystem only through these operations, each one step:
 
 | `op` | what it changes |
 | --- | --- |
@@ -16,6 +16,7 @@ step:
 | `fsync_dir` | flushes a directory's entries to its device |
 | `rename` | renames one directory entry |
 | `exchange` | swaps two directories atomically (Linux `renameat2(RENAME_EXCHANGE)`) |
+| `unlink` | deletes one file or symbolic link |
 | `remove` | deletes a directory tree |
 
 `HOOKS` is a list of callables `hook(when, op, paths)`, called with `when` either `"before"`
@@ -37,14 +38,15 @@ import stat
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 
 Hook = Callable[[str, str, tuple[str, ...]], None]
 
 HOOKS: list[Hook] = []
 """Called before and after every operation of this module: `hook(when, op, paths)`, with `op`
-one of mkdir, create, write, chmod, fsync, copy, symlink, fsync_dir, rename, exchange, remove."""
+one of mkdir, create, write, chmod, fsync, copy, symlink, fsync_dir, rename, exchange, unlink,
+remove."""
 
 
 @contextlib.contextmanager
@@ -67,6 +69,24 @@ def _step(op: str, *paths: Any) -> Iterator[None]:
     _notify("before", op, *paths)
     yield
     _notify("after", op, *paths)
+
+
+def path_argument(path: object, argument: str = "path") -> str:
+    """The text of a path argument given by the user (`str` or `os.PathLike`).
+
+    Anything else (`bytes` above all) is refused with a message saying what to pass, rather
+    than failing deep inside `pathlib` with a bare `TypeError`.
+    """
+    text = os.fspath(path) if isinstance(path, os.PathLike) else path
+    if isinstance(text, str):
+        return text
+    got = f"{type(path).__name__} {path!r:.60}"
+    if text is not path:
+        got += f", whose path is {type(text).__name__} {text!r:.60}"
+    raise TypeError(
+        f"`{argument}` must be a `str` or an `os.PathLike` such as `pathlib.Path`; got {got}. "
+        "(For a bytes path, pass `os.fsdecode(path)`.) Nothing was written."
+    )
 
 
 # --- directories --------------------------------------------------------------------------------
@@ -109,16 +129,74 @@ def _make_removable(path: Path) -> None:
         return
     for root, dirs, _ in os.walk(path):
         for directory in [root, *(os.path.join(root, d) for d in dirs)]:
-            info = os.lstat(directory)
-            if stat.S_ISDIR(info.st_mode) and info.st_mode & stat.S_IRWXU != stat.S_IRWXU:
-                os.chmod(directory, stat.S_IMODE(info.st_mode) | stat.S_IRWXU)
+            try:
+                info = os.lstat(directory)
+                if stat.S_ISDIR(info.st_mode) and info.st_mode & stat.S_IRWXU != stat.S_IRWXU:
+                    os.chmod(directory, stat.S_IMODE(info.st_mode) | stat.S_IRWXU)
+            except FileNotFoundError:  # deleted meanwhile, see `remove`
+                continue
+
+
+def _unless_gone(function: Any, path: str, error: Any) -> None:
+    if not isinstance(error, FileNotFoundError):
+        raise error
 
 
 def remove(path: Path) -> None:
-    """Deletes the directory tree `path` (read-only directories in it included)."""
+    """Deletes the directory tree `path` (read-only directories in it included).
+
+    Entries that vanish meanwhile are no error: a save and `remove_leftovers` may both be
+    deleting one old checkpoint, the save when it could not lock it.
+    """
     with _step("remove", path):
         _make_removable(path)
-        shutil.rmtree(path)
+        if sys.version_info >= (3, 12):
+            shutil.rmtree(path, onexc=_unless_gone)
+        else:
+            shutil.rmtree(path, onerror=lambda f, p, info: _unless_gone(f, p, info[1]))
+
+
+def unlink(path: Path) -> None:
+    """Deletes the file or symbolic link `path` (never what a link points to)."""
+    with _step("unlink", path):
+        os.unlink(path)
+
+
+def lock(path: Path) -> int | None:
+    """Takes an exclusive `flock` on the directory `path` without waiting.
+
+    Saves hold one on their own new directory from its creation to their end, which is how
+    `eqx_lean.remove_leftovers` tells a live save's directory from a killed one's.
+
+    **Returns:**
+
+    The open descriptor holding the lock (closing it releases the lock), or `None` when another
+    process holds one, or `path` is missing or no directory (a link is not followed).
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as error:
+        if error.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
+            return None
+        raise
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    except BaseException:
+        os.close(fd)
+        raise
+    # The name may have been removed, or given to another directory, while we opened it.
+    try:
+        current = os.lstat(path)
+    except FileNotFoundError:
+        current = None
+    opened = os.fstat(fd)
+    if current is None or (current.st_dev, current.st_ino) != (opened.st_dev, opened.st_ino):
+        os.close(fd)
+        return None
+    return fd
 
 
 # --- files --------------------------------------------------------------------------------------
@@ -182,7 +260,17 @@ def _copy_data(source: int, target: int) -> str:
     return "read"
 
 
-def copy_file(source: Path, path: Path, mode: int | Literal["source", "new"] = "source") -> str:
+class Copied(NamedTuple):
+    how: str  # "reflink", "kernel" (`copy_file_range`) or "read"
+    source: os.stat_result | None  # `source` as copied; None if it changed while being copied
+
+
+def _unchanged(before: os.stat_result, after: os.stat_result) -> bool:
+    keys = ("st_ino", "st_size", "st_mtime_ns", "st_ctime_ns")
+    return all(getattr(before, k) == getattr(after, k) for k in keys)
+
+
+def copy_file(source: Path, path: Path, mode: int | Literal["source", "new"] = "source") -> Copied:
     """Copies the regular file `source` (links followed) to the new file `path`, and flushes it.
 
     The copy never shares storage that a later write could change through (no hard link, no
@@ -198,9 +286,12 @@ def copy_file(source: Path, path: Path, mode: int | Literal["source", "new"] = "
 
     **Returns:**
 
-    How the content was copied: `"reflink"`, `"kernel"` (`copy_file_range`) or `"read"`.
+    A `Copied`: how the content was copied, `"reflink"`, `"kernel"` (`copy_file_range`) or
+    `"read"`, and the `fstat` of `source` taken before copying, or `None` if `fstat` differs
+    after copying (another process wrote to it meanwhile: the copy may be torn).
     """
-    source_fd = os.open(source, os.O_RDONLY | os.O_CLOEXEC)
+    # Non-blocking, so that a FIFO put here meanwhile is refused below rather than waited on.
+    source_fd = os.open(source, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     try:
         info = os.fstat(source_fd)
         if not stat.S_ISREG(info.st_mode):
@@ -216,6 +307,7 @@ def copy_file(source: Path, path: Path, mode: int | Literal["source", "new"] = "
             except BaseException:
                 os.close(fd)
                 raise
+        settled = _unchanged(info, os.fstat(source_fd))
         try:
             with _step("fsync", path):
                 os.fsync(fd)
@@ -223,7 +315,7 @@ def copy_file(source: Path, path: Path, mode: int | Literal["source", "new"] = "
             os.close(fd)
     finally:
         os.close(source_fd)
-    return how
+    return Copied(how, info if settled else None)
 
 
 # --- renames ------------------------------------------------------------------------------------
