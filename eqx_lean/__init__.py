@@ -14,6 +14,7 @@ from ._io import (
     checkpoint_tensors as checkpoint_tensors,
     load_stacked as load_stacked,
     load_tensors as load_tensors,
+    remove_leftovers as remove_leftovers,
     save_stacked as save_stacked,
     save_tensors as save_tensors,
 )

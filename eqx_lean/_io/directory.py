@@ -1,145 +1,49 @@
 """A checkpoint directory as one unit: built complete beside its target, flushed, swapped in.
 
 A save never changes a file of the old checkpoint: it writes a new directory
-`.<name>.tmp-<token>` beside the target, fills it (its own files, then copies of the files it
-carries over), flushes it, and swaps it with the target in one atomic step
+`.<name>.tmp-<token>` beside the target (`leftovers`), fills it with its own files (`owned`),
+then with copies of everything else the target holds (`carry`), lists the target again until
+its copy is up to date, flushes it, and swaps it with the target in one atomic step
 (`renameat2(RENAME_EXCHANGE)`); only then does it delete the old checkpoint, which the swap has
 moved to the temporary name. Every change goes through `eqx_lean._io.fs`.
 
-What a save does with each entry of an existing target (`plan`):
-
-- it **owns** its weight files (`weights_name`, its shards `<stem>-0000k-of-0000n.safetensors`
-  and its index `<weights_name>.index.json`) and the files given to it: it writes them anew,
-  and drops an old file of such a name;
-- it **refuses** any other weight file (`is_weight_file`: another `*.safetensors`, a pickle, an
-  index of other weights, ...), here or in a subdirectory: dropping it would lose it and
-  copying it would duplicate it, so the caller chooses with `other_weights="keep"` or `"drop"`;
-- it **carries over** everything else (tokenizer, generation config, README, subdirectories):
-  each file is copied (a reflink where the filesystem offers one), never linked, so that
-  nothing outside the target can change; a symbolic link to a file is copied as the file it
-  points to; a link to a directory, or one that points nowhere, is recreated as the same link.
+Two saves may race: each swaps its own complete directory in, and the last swap wins. When the
+target did not exist when a save began but does when it swaps (another first save got there
+first), the save treats it as any existing target: it carries over what that directory holds
+beyond the names it owns, and exchanges with it, so the outcome is that of the two saves run
+one after the other.
 """
 
+import contextlib
 import errno
 import os
 import stat
-import uuid
+import sys
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
-from . import fs
-
-
-OtherWeights = Literal["refuse", "keep", "drop"]
-
-# Files that hold weights or pickled state (and indexes of such files): never carried over
-# silently. Pickles are never read by eqx_lean, only copied or dropped when asked.
-WEIGHT_SUFFIXES = (
-    ".safetensors",
-    ".bin",
-    ".pt",
-    ".pth",
-    ".ckpt",
-    ".pkl",
-    ".pickle",
-    ".gguf",
-    ".ggml",
-    ".h5",
-    ".msgpack",
-    ".npy",
-    ".npz",
-    ".onnx",
-)
-INDEX_SUFFIX = ".index.json"
+from . import carry, fs, leftovers
+from .carry import OtherWeights
+from .owned import Owner
 
 
-def is_weight_file(name: str) -> bool:
-    """Whether a file of this name holds weights (or indexes them) by its suffix."""
-    return name.lower().removesuffix(INDEX_SUFFIX).endswith(WEIGHT_SUFFIXES)
+# Listings of the target after its first copy, at most, before a save swaps: each copies what
+# appeared or changed since the last one. A file appended to without pause never settles.
+RELISTS = 5
+# Swaps tried, at most, when the target appears or vanishes just before one.
+SWAP_TRIES = 3
 
 
-def check_weights_name(weights_name: object) -> str:
-    if (
-        not isinstance(weights_name, str)
-        or not _is_plain_name(weights_name)
-        or not weights_name.endswith(".safetensors")
-        or weights_name == ".safetensors"
-    ):
-        raise ValueError(
-            "`weights_name` must be a plain file name ending in `.safetensors`, such as "
-            f"'model.safetensors' or 'adapter_model.safetensors'; got {weights_name!r}."
-        )
-    return weights_name
-
-
-def weight_file_names(weights_name: str, count: int) -> list[str]:
-    """`weights_name` for one file; `<stem>-0000k-of-0000n.safetensors` for several."""
-    if count == 1:
-        return [weights_name]
-    stem = weights_name.removesuffix(".safetensors")
-    return [f"{stem}-{k:05d}-of-{count:05d}.safetensors" for k in range(1, count + 1)]
-
-
-def index_name(weights_name: str) -> str:
-    return weights_name + INDEX_SUFFIX
-
-
-def owns_weight_file(weights_name: str, name: str) -> bool:
-    """Whether `name` is one of the files a save with `weights_name` writes (or would write)."""
-    stem = weights_name.removesuffix(".safetensors")
-    if name in (weights_name, index_name(weights_name)):
-        return True
-    shard = name.removeprefix(f"{stem}-").removesuffix(".safetensors")
-    parts = shard.split("-of-")
-    return (
-        name.startswith(f"{stem}-")
-        and name.endswith(".safetensors")
-        and len(parts) == 2
-        and all(len(p) == 5 and p.isdigit() for p in parts)
-    )
-
-
-def _is_plain_name(name: str) -> bool:
-    return bool(name) and name not in (".", "..") and "/" not in name and "\0" not in name
-
-
-def check_files(files: object, weights_name: str) -> dict[str, bytes | Path]:
-    """The extra files of a save (`files=`), checked: plain names to bytes or files to copy."""
-    if files is None:
-        return {}
-    if not isinstance(files, Mapping):
-        raise TypeError(f"`files` must map file names to bytes or paths; got {files!r:.80}.")
-    checked: dict[str, bytes | Path] = {}
-    for name, content in files.items():
-        if not isinstance(name, str) or not _is_plain_name(name):
-            raise ValueError(
-                "`files` must be keyed by plain file names (no directories), such as "
-                f"'config.json'; got {name!r}."
-            )
-        if owns_weight_file(weights_name, name):
-            raise ValueError(
-                f"`files` must not name the save's own weight file {name!r}; it writes that "
-                "file itself (choose its name with `weights_name`)."
-            )
-        if isinstance(content, bytes | bytearray | memoryview):
-            checked[name] = bytes(content)
-        elif isinstance(content, os.PathLike):
-            source = Path(content)
-            if not source.is_file():
-                raise FileNotFoundError(
-                    f"`files[{name!r}]` must be an existing file to copy; {source} is "
-                    f"{'a directory' if source.is_dir() else 'missing'}."
-                )
-            checked[name] = source
-        else:
-            raise TypeError(
-                f"`files[{name!r}]` must be bytes (the content, e.g. `text.encode()`) or a "
-                f"`pathlib.Path` of a file to copy; got {type(content).__name__}. (A `str` is "
-                "refused because it could mean either.)"
-            )
-    return checked
+def _warn(message: str) -> None:
+    """Warns, pointing at the first caller outside eqx_lean (the user's save call)."""
+    package = os.path.dirname(os.path.dirname(__file__)) + os.sep
+    level, frame = 1, sys._getframe(0)
+    while frame is not None and frame.f_code.co_filename.startswith(package):
+        level += 1
+        frame = frame.f_back
+    warnings.warn(message, UserWarning, stacklevel=level)
 
 
 # --- the target ---------------------------------------------------------------------------------
@@ -174,7 +78,7 @@ def _refuse(path: object, reason: str) -> ValueError:
 def resolve_target(path: str | os.PathLike) -> tuple[Path, os.stat_result | None]:
     """The directory a save replaces (a symbolic link is followed; the link itself is kept),
     and its `stat`; refuses, before any work, a directory that cannot be replaced."""
-    given = os.fspath(path)
+    given = fs.path_argument(path)
     if given in ("", "."):
         raise _refuse(
             given,
@@ -242,33 +146,29 @@ def resolve_target(path: str | os.PathLike) -> tuple[Path, os.stat_result | None
     return target, info
 
 
-class Carried(NamedTuple):
-    relative: str  # inside the target, "/"-separated
-    kind: Literal["dir", "file", "link"]
-    mode: int  # permission bits (of the directory, or of the file copied)
-    link: str = ""  # the text of a link recreated as it is
-
-
 class Target(NamedTuple):
     path: Path  # the directory replaced (links resolved)
-    exists: bool
-    mode: int  # permission bits the new directory gets
-    carried: tuple[Carried, ...]
+    identity: tuple[int, int] | None  # its (device, inode) when planned; None if missing
+    mode: int  # its permission bits, which the new directory gets
+    carried: dict[str, carry.Entry]
     owned_modes: dict[str, int]  # permission bits of the old files the save owns, by name
+    owns: Owner
+    other_weights: OtherWeights
+
+    @property
+    def exists(self) -> bool:
+        return self.identity is not None
 
 
-def plan(
-    path: str | os.PathLike,
-    owns: Callable[[str], bool],
-    other_weights: OtherWeights,
-) -> Target:
+def plan(path: str | os.PathLike, owns: Owner, other_weights: OtherWeights) -> Target:
     """Checks `path` and sorts the entries of an existing target into owned, carried over and
-    refused (see the module's docstring), before anything is written.
+    refused (see `carry`), before anything is written; warns about leftovers of saves that
+    died.
 
     **Arguments:**
 
     - `path`: the checkpoint directory.
-    - `owns`: whether a top-level name is one of the save's own files.
+    - `owns`: what makes a top-level name one of the save's own files (`owned.owner`).
     - `other_weights`: what to do with weight files it does not own: `"refuse"` (raise, naming
         them), `"keep"` (copy them into the new checkpoint) or `"drop"` (leave them out).
 
@@ -280,85 +180,29 @@ def plan(
         raise ValueError(
             f'`other_weights` must be "refuse", "keep" or "drop"; got {other_weights!r}.'
         )
-    target, target_info = resolve_target(path)
-    if target_info is None:
-        return Target(target, False, 0o777, (), {})
-    carried: list[Carried] = []
-    owned_modes: dict[str, int] = {}
-    others: list[str] = []
-    problems: list[str] = []
-    mounts = _mount_points()
-
-    def scan(directory: Path, prefix: str) -> None:
-        for entry in sorted(os.scandir(directory), key=lambda e: e.name):
-            relative = prefix + entry.name
-            source = Path(entry.path)
-            info = entry.stat(follow_symlinks=False)
-            if not prefix and owns(entry.name):
-                if stat.S_ISREG(info.st_mode):  # keep its mode for the new file
-                    owned_modes[entry.name] = stat.S_IMODE(info.st_mode)
-                continue
-            if stat.S_ISLNK(info.st_mode):
-                try:
-                    info = os.stat(source)
-                except OSError:  # points nowhere (or in a loop): nothing to copy
-                    carried.append(Carried(relative, "link", 0, os.readlink(source)))
-                    continue
-                if stat.S_ISDIR(info.st_mode):  # outside data, maybe large: keep the link
-                    carried.append(Carried(relative, "link", 0, os.readlink(source)))
-                    continue
-            mode = stat.S_IMODE(info.st_mode)
-            if stat.S_ISDIR(info.st_mode):
-                if info.st_dev != target_info.st_dev or os.fspath(source) in mounts:
-                    # Its files would be copied, then deleted with the old checkpoint.
-                    problems.append(f"{relative}/ (a mount point, another filesystem's data)")
-                    continue
-                if not os.access(source, os.R_OK | os.X_OK) or not (
-                    os.access(source, os.W_OK) or info.st_uid == os.geteuid()
-                ):
-                    problems.append(f"{relative}/ (a directory this user cannot read or clear)")
-                    continue
-                carried.append(Carried(relative, "dir", mode))
-                scan(source, relative + "/")
-            elif stat.S_ISREG(info.st_mode):
-                if is_weight_file(entry.name) and other_weights != "keep":
-                    if other_weights == "refuse":
-                        others.append(relative)
-                    continue
-                if not os.access(source, os.R_OK):
-                    problems.append(f"{relative} (a file this user cannot read)")
-                    continue
-                carried.append(Carried(relative, "file", mode))
-            else:
-                problems.append(f"{relative} (neither a file, a directory nor a link)")
-
-    scan(target, "")
-    if others:
-        listed = ", ".join(repr(o) for o in others[:5])
-        more = f" and {len(others) - 5} more" if len(others) > 5 else ""
-        raise ValueError(
-            f"{target} holds weight files that this save does not own: {listed}{more}. A save "
-            "replaces the whole directory, so it would either lose them or copy them. Pass "
-            '`other_weights="keep"` to copy them into the new checkpoint, or '
-            '`other_weights="drop"` to leave them out (they are deleted with the old '
-            "checkpoint). Nothing was written."
+    target, info = resolve_target(path)
+    listing = None
+    if info is not None:
+        listing = carry.list_target(target, owns, other_weights, _mount_points())
+    if listing is not None:
+        carry.refuse(target, listing, "Nothing was written.")
+    dead = leftovers.unlocked(target)
+    if dead:
+        _warn(
+            f"eqx_lean: beside {target} lie leftovers of saves of it that died (no running "
+            f"save holds them): {', '.join(p.name for p in dead)}. They are not the "
+            f"checkpoint; `eqx_lean.remove_leftovers({os.fspath(target)!r})` deletes them, or "
+            "renames an old checkpoint back where the directory is missing."
         )
-    if problems:
-        raise PermissionError(
-            errno.EACCES,
-            f"a save of {target} must copy (or later delete) every entry it does not own, but "
-            f"cannot: {'; '.join(problems[:5])}. Fix or move them. Nothing was written",
-            os.fspath(target),
-        )
-    return Target(target, True, stat.S_IMODE(target_info.st_mode), tuple(carried), owned_modes)
+    if info is None or listing is None:
+        return Target(target, None, 0o777, {}, {}, owns, other_weights)
+    identity = (info.st_dev, info.st_ino)
+    return Target(
+        target, identity, listing.mode, listing.carried, listing.owned_modes, owns, other_weights
+    )
 
 
 # --- building and swapping ----------------------------------------------------------------------
-
-
-def _leftover_name(target: Path, kind: str) -> Path:
-    # A file name is at most 255 bytes; keep room for the prefix and the token.
-    return target.parent / f".{target.name[:200]}.{kind}-{uuid.uuid4().hex[:8]}"
 
 
 def _make_parents(target: Path) -> None:
@@ -375,41 +219,9 @@ def _make_parents(target: Path) -> None:
         fs.fsync_dir(directory.parent)
 
 
-def _carry_over(target: Target, new: Path) -> None:
-    for entry in target.carried:
-        destination = new / entry.relative
-        if entry.kind == "dir":
-            fs.mkdir(destination, 0o700)  # its mode is set once it is complete
-        elif entry.kind == "file":
-            fs.copy_file(target.path / entry.relative, destination)
-        else:
-            fs.symlink(entry.link, destination)
-    for entry in reversed(target.carried):  # each directory after its contents
-        if entry.kind == "dir":
-            fs.chmod(new / entry.relative, entry.mode)
-            fs.fsync_dir(new / entry.relative)
-
-
-def _failed_before_swap(error: BaseException, target: Target, new: Path) -> None:
-    """Deletes the partial new checkpoint, and adds to `error` what became of everything."""
-    if target.exists:
-        state = f"{target.path} still holds the old checkpoint, unchanged."
-    else:
-        state = f"{target.path} did not exist before, and the save put nothing there."
-    error.add_note(f"eqx_lean: the save failed before the new checkpoint was in place: {state}")
-    if not new.exists():
-        return
-    try:
-        fs.remove(new)
-        error.add_note(f"The partial new checkpoint ({new}) was deleted.")
-    except BaseException as cleanup_error:  # e.g. the filesystem went read-only
-        error.add_note(
-            f"The partial new checkpoint lies in {new} ({cleanup_error!r}): it is not the "
-            "checkpoint and nothing reads it, so it is safe to delete now."
-        )
-
-
-def _identity(path: Path) -> tuple[int, int] | None:
+def _identity(path: Path | None) -> tuple[int, int] | None:
+    if path is None:
+        return None
     try:
         info = os.lstat(path)
     except FileNotFoundError:
@@ -433,41 +245,143 @@ def replace(target: Target, write_owned: Callable[[Path, Mapping[str, int]], Non
     checkpoint is a warning naming where it lies.
     """
     path = target.path
-    new = _leftover_name(path, "tmp")
-    aside = _leftover_name(path, "old")  # used only without an atomic exchange
+    aside = leftovers.leftover_name(path, "old")  # used only without an atomic exchange
+    made: list[Path] = []
+    new_identity = None
+    with contextlib.ExitStack() as locks:  # released once the save ends
+        try:
+            _make_parents(path)
+            mode = 0o700 if target.exists else 0o777
+            new = leftovers.make_locked_dir(path, mode, locks, made)
+            new_identity = _identity(new)
+            write_owned(new, target.owned_modes)
+            carrier = carry.Carrier(path, new)
+            carrier.update(target.carried)
+            old = _swap(target, carrier, aside, locks)
+        except BaseException as error:
+            _explain(error, target, (made[-1] if made else None, new_identity), aside)
+            raise
+        _after_swap(path, old)
+
+
+def _settle(target: Target, carrier: carry.Carrier) -> carry.Listing | None:
+    """Lists the target again and brings the copy up to date, until a listing finds nothing new
+    (`RELISTS` listings at most); returns the last listing (`None` if the target is missing).
+
+    A weight file that appears while the save runs is copied even with
+    `other_weights="refuse"`: it is too late to ask, and losing it is worse than copying it.
+    """
+    policy = "keep" if target.other_weights == "refuse" else target.other_weights
+    changed: list[str] = []
+    listing = None
+    for _ in range(RELISTS):
+        listing = carry.list_target(target.path, target.owns, policy, _mount_points())
+        if listing is None:
+            return None  # deleted meanwhile: what was copied from it stays in the new one
+        carry.refuse(
+            target.path, listing, "It appeared while the save ran, which stopped before the swap."
+        )
+        changed = carrier.update(listing.carried)
+        if not changed:
+            return listing
+    _warn(
+        f"eqx_lean: {', '.join(changed[:5])} in {target.path} kept changing while the save "
+        f"copied them ({RELISTS + 1} copies); the new checkpoint holds the last copy, which a "
+        "write under way may have torn."
+    )
+    return listing
+
+
+def _lock_quietly(path: Path, locks: contextlib.ExitStack) -> None:
+    """Locks the old checkpoint until the save ends, so that `remove_leftovers` leaves it to
+    this save once it lies under a leftover's name; never waits, never fails."""
     try:
-        _make_parents(path)
-        fs.mkdir(new, 0o700 if target.exists else 0o777)
-        write_owned(new, target.owned_modes)
-        _carry_over(target, new)
-        if target.exists:
-            fs.chmod(new, target.mode)
-        fs.fsync_dir(new)
-    except BaseException as error:
-        _failed_before_swap(error, target, new)
-        raise
-    new_identity = _identity(new)
-    try:
-        if not target.exists:
-            fs.rename(new, path)
-        elif not fs.exchange(new, path):
+        fd = fs.lock(path)
+    except OSError:
+        return
+    if fd is not None:
+        locks.callback(os.close, fd)
+
+
+def _swap(
+    target: Target, carrier: carry.Carrier, aside: Path, locks: contextlib.ExitStack
+) -> Path | None:
+    """Brings the copy up to date, flushes it and swaps it in; returns where the old
+    checkpoint then lies (`None` if there was none)."""
+    path, new = target.path, carrier.new
+    for _ in range(SWAP_TRIES):
+        listing = _settle(target, carrier)
+        mode = listing.mode if listing is not None else target.mode if target.exists else None
+        carrier.finish(mode)
+        try:
+            if listing is None:
+                fs.rename(new, path)
+                return None
+            _lock_quietly(path, locks)
+            if fs.exchange(new, path):
+                return new
             _swap_by_renames(new, path, aside)
-    except BaseException as error:
-        now = _identity(path)
-        if now == new_identity:  # swapped, then failed (in a hook)
-            old = None if not target.exists else aside if aside.exists() else new
-            where = f"; the old one lies in {old}, which is safe to delete" if old else ""
-            error.add_note(f"eqx_lean: the new checkpoint is in place in {path}{where}.")
-        elif now is None and target.exists:
-            error.add_note(
-                f"eqx_lean: {path} is missing: the old checkpoint lies in {aside}; rename it "
-                f"back to {path}. The new one lies in {new}."
-            )
-        else:
-            _failed_before_swap(error, target, new)
-        raise
-    old = None if not target.exists else aside if aside.exists() else new
-    _after_swap(path, old)
+            return aside
+        except FileExistsError:
+            if listing is not None or not os.path.lexists(path):
+                raise
+            # Another save's first save made it since the last listing: list it, then swap
+            # with it (the last swap wins).
+        except FileNotFoundError:
+            if listing is None or os.path.lexists(path) or os.path.lexists(aside):
+                raise
+            # Deleted since the last listing: rename into place instead.
+    raise RuntimeError(
+        f"a save of {path} could not swap its new checkpoint in: {SWAP_TRIES} times, another "
+        "process created or deleted it just before the swap."
+    )
+
+
+def _explain(
+    error: BaseException,
+    target: Target,
+    built: tuple[Path | None, tuple[int, int] | None],
+    aside: Path,
+) -> None:
+    """Adds to `error` what became of the old and the new checkpoint (`built`: the new
+    directory and its identity, once made)."""
+    path = target.path
+    new, new_identity = built
+    now = _identity(path)
+    if new is not None and now is not None and now == new_identity:
+        # Swapped, then failed (in a hook).
+        old = aside if aside.exists() else new if new.exists() else None
+        where = f"; the old one lies in {old}, which is safe to delete" if old else ""
+        error.add_note(f"eqx_lean: the new checkpoint is in place in {path}{where}.")
+    elif now is None and aside.exists():
+        error.add_note(
+            f"eqx_lean: {path} is missing: the old checkpoint lies in {aside}; rename it back "
+            f"to {path} (`eqx_lean.remove_leftovers` does). The new one lies in {new}."
+        )
+    else:
+        _failed_before_swap(error, target, new)
+
+
+def _failed_before_swap(error: BaseException, target: Target, new: Path | None) -> None:
+    """Deletes the partial new checkpoint, and adds to `error` what became of everything."""
+    now = _identity(target.path)
+    if target.exists and now == target.identity:
+        state = f"{target.path} still holds the old checkpoint, unchanged."
+    elif not target.exists and now is None:
+        state = f"{target.path} did not exist before, and the save put nothing there."
+    else:
+        state = f"{target.path} holds what another process put there; this save changed nothing."
+    error.add_note(f"eqx_lean: the save failed before the new checkpoint was in place: {state}")
+    if new is None or not new.exists():
+        return
+    try:
+        fs.remove(new)
+        error.add_note(f"The partial new checkpoint ({new}) was deleted.")
+    except BaseException as cleanup_error:  # e.g. the filesystem went read-only
+        error.add_note(
+            f"The partial new checkpoint lies in {new} ({cleanup_error!r}): it is not the "
+            "checkpoint and nothing reads it, so it is safe to delete now."
+        )
 
 
 def _swap_by_renames(new: Path, path: Path, aside: Path) -> None:
@@ -497,10 +411,9 @@ def _after_swap(path: Path, old: Path | None) -> None:
         where = ""
         if old is not None and os.path.lexists(old):
             where = f" The old checkpoint lies in {old}: delete it, nothing reads it."
-        warnings.warn(
+        _warn(
             f"eqx_lean: the new checkpoint is in place in {path}, but finishing the save "
-            f"failed ({error!r}).{where}",
-            stacklevel=5,  # the caller of save_stacked or save_tensors
+            f"failed ({error!r}).{where}"
         )
     except BaseException as error:
         where = ""

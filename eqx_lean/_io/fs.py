@@ -80,13 +80,18 @@ def path_argument(path: object, argument: str = "path") -> str:
     text = os.fspath(path) if isinstance(path, os.PathLike) else path
     if isinstance(text, str):
         return text
-    got = f"{type(path).__name__} {path!r:.60}"
+    got = f"{type(path).__name__} {_short(path)}"
     if text is not path:
-        got += f", whose path is {type(text).__name__} {text!r:.60}"
+        got += f", whose path is {type(text).__name__} {_short(text)}"
     raise TypeError(
         f"`{argument}` must be a `str` or an `os.PathLike` such as `pathlib.Path`; got {got}. "
         "(For a bytes path, pass `os.fsdecode(path)`.) Nothing was written."
     )
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 160 else text[:150] + "...(cut)"
 
 
 # --- directories --------------------------------------------------------------------------------

@@ -15,8 +15,8 @@ from jax import lax
 from jaxtyping import Array
 
 from .._core import Layout, as_bits, is_floating
-from . import directory, fs
-from .directory import OtherWeights
+from . import directory, fs, owned
+from .carry import OtherWeights
 from .load import bounded
 from .names import check_transpose_rank, layer_count, require_all_stacked, resolve_names
 from .safetensors import ALIGN, DTYPE_CODES
@@ -218,17 +218,15 @@ def _save(
     options: dict[str, Any],
     fn: str,
 ) -> None:
+    fs.path_argument(path)
     merged = _check_save_arguments(options["max_shard_bytes"], options["metadata"])
-    weights_name = directory.check_weights_name(options["weights_name"])
-    extra = directory.check_files(options["files"], weights_name)
+    weights_name = owned.check_weights_name(options["weights_name"])
+    extra = owned.check_files(options["files"], weights_name)
     arrays, records = _plan_records(tree, names, fn)
     _check_arrays(tree, arrays, fn)
     files = _split_files(records, options["max_shard_bytes"])
-    file_names = directory.weight_file_names(weights_name, len(files))
-
-    def owns(name: str) -> bool:
-        return name in extra or directory.owns_weight_file(weights_name, name)
-
+    file_names = owned.weight_file_names(weights_name, len(files))
+    owns = owned.owner(weights_name, extra)
     target = directory.plan(path, owns, options["other_weights"])
 
     def write_owned(new: Path, modes: Mapping[str, int]) -> None:
@@ -236,7 +234,7 @@ def _save(
             chunks = _file_chunks(_aligned_first(file_records), arrays, merged)
             fs.write_file(new / file_name, chunks, modes.get(file_name))
         if len(files) > 1:
-            index = directory.index_name(weights_name)
+            index = owned.index_name(weights_name)
             fs.write_file(new / index, [_index_bytes(files, file_names)], modes.get(index))
         for name, content in extra.items():
             if isinstance(content, bytes):
@@ -308,21 +306,26 @@ def save_stacked(
     atomic step (`renameat2(RENAME_EXCHANGE)` on Linux); only then is the old checkpoint
     deleted. Whenever the process dies, `path` holds exactly the old checkpoint or exactly the
     new one, and if the save raises before the swap, `path` is unchanged and the error's notes
-    say so. A `.<name>.tmp-*` directory left by a killed save is never the checkpoint: delete
-    it once no save to `path` is running. The new directory keeps the old one's permissions;
-    a symbolic link `path` is kept, and the directory it points to replaced.
+    say so. A `.<name>.tmp-*` directory left by a killed save is never the checkpoint: the next
+    save warns about it and [`eqx_lean.remove_leftovers`][] deletes it (each save holds a lock
+    on its own until it ends). The new directory keeps the old one's permissions; a symbolic
+    link `path` is kept, and the directory it points to replaced. Of two saves to one `path`
+    at once, first saves included, the last swap wins.
 
     Of the old directory's entries, the save owns its weight files and index (any shard count)
     and the `files` it is given, and writes them anew, each with the old file's mode if there
-    was one (else `0o666` less the umask, as any new file); it copies everything else (tokenizer,
-    `config.json`, README, subdirectories), never through a link, except weight files it does
-    not own, which it refuses (see `other_weights`). Targets it cannot replace (the current
-    directory, a mount point, a directory without owner write permission) are refused before
-    anything is written. See [the I/O guide](../io.md#saving).
+    was one (else `0o666` less the umask, as any new file); anything but a regular file (or a
+    link to one) under such a name, a directory say, is refused before any work. It copies
+    everything else (tokenizer, `config.json`, README, subdirectories), never through a link,
+    except weight files it does not own, which it refuses (see `other_weights`); just before
+    the swap it lists the directory again and copies what other processes wrote meanwhile.
+    Targets it cannot replace (the current directory, a mount point, a directory without owner
+    write permission) are refused before anything is written. See
+    [the I/O guide](../io.md#saving).
 
     **Arguments:**
 
-    - `path`: the checkpoint directory, created if needed.
+    - `path`: the checkpoint directory (a `str` or `os.PathLike`), created if needed.
     - `stacked`: the stacked model, with arrays (on any devices, sharded or not) as leaves.
     - `names`: the tensor-name template of every array leaf, as for
         [`eqx_lean.load_stacked`][] (a function is given one layer's paths): every name must

@@ -1,0 +1,212 @@
+"""What saves leave beside their target (`eqx_lean._io.leftovers`), and saves racing each other.
+
+Each save holds a lock on its `.<name>.tmp-<token>` directory from its creation to its end:
+`eqx_lean.remove_leftovers` deletes only those nobody holds (a killed save's, in a real
+subprocess) and never a running save's (one paused in a subprocess), a save warns about dead
+ones, and an old checkpoint left aside without an atomic exchange is renamed back. First saves
+racing in real processes each end with exactly one saver's complete checkpoint.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+from test_io_save import (
+    assert_tensors_equal,
+    leftovers,
+    read_checkpoint,
+    save,
+    stacked,
+    tensors_of,
+)
+
+import eqx_lean
+from eqx_lean._io import fs
+from eqx_lean._io.leftovers import Leftovers
+
+
+REPO = Path(__file__).resolve().parent.parent
+CHILDREN = REPO / "tests" / "save_children.py"
+ENV = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
+
+
+def child(*arguments: str, **kwargs) -> subprocess.Popen:
+    command = [sys.executable, str(CHILDREN), *arguments]
+    return subprocess.Popen(command, env=ENV, text=True, **kwargs)
+
+
+def dead_save_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
+    messages = [str(w.message) for w in caught]
+    return [m for m in messages if "leftovers of saves of it that died" in m]
+
+
+# --------------------------------------------------------------------------------------------
+# Killed and running saves
+
+
+def test_a_killed_save_s_directory_is_warned_about_then_removed(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    save(ckpt)
+    killed = child("die", str(ckpt), stderr=subprocess.PIPE)
+    _, stderr = killed.communicate(timeout=120)
+    assert killed.returncode == -signal.SIGKILL, stderr
+    (left,) = leftovers(ckpt)
+    assert (tmp_path / left / "model.safetensors").exists()  # killed once its weights were written
+    with pytest.warns(UserWarning, match=rf"{left}.*`eqx_lean.remove_leftovers\('{ckpt}'\)`"):
+        save(ckpt)
+    assert leftovers(ckpt) == [left]  # a save warns; it deletes nothing it does not own
+    result = eqx_lean.remove_leftovers(ckpt)
+    assert result == Leftovers(removed=[tmp_path / left], restored=None, skipped_locked=[])
+    assert leftovers(ckpt) == []
+    assert_tensors_equal(read_checkpoint(ckpt), tensors_of(stacked(2, 1)))
+
+
+def test_a_running_save_s_directory_is_never_removed(tmp_path):
+    """A save paused (in another process) once its weights are written holds its directory:
+    `remove_leftovers` leaves it alone, and a save meanwhile does not warn about it."""
+    ckpt = tmp_path / "ckpt"
+    save(ckpt)
+    paused = child("pause", str(ckpt), stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert paused.stdin is not None and paused.stdout is not None
+    try:
+        line = paused.stdout.readline()
+        assert line.startswith("paused "), line
+        held = Path(line.split(" ", 1)[1].strip())
+        assert eqx_lean.remove_leftovers(ckpt).skipped_locked == [held]
+        assert held.is_dir() and (held / "model.safetensors").exists()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            save(ckpt, stacked(3, 9))
+        assert dead_save_warnings(caught) == []
+        paused.stdin.write("go on\n")
+        paused.stdin.flush()
+        assert paused.stdout.readline() == "saved\n"
+    finally:
+        paused.kill()
+        paused.wait(timeout=60)
+    assert leftovers(ckpt) == []
+    assert json.loads((ckpt / "saver.json").read_text()) == {"saver": 2}  # the last swap won
+
+
+def test_a_save_holds_its_directory_from_creation_to_its_end(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    save(ckpt)
+    seen = []
+
+    def check(when, op, paths):
+        if os.path.basename(os.path.dirname(paths[0])).startswith(".ckpt.tmp-"):
+            new = Path(os.path.dirname(paths[0]))
+            seen.append((op, eqx_lean.remove_leftovers(ckpt).skipped_locked == [new]))
+
+    with fs.hooked(check):
+        save(ckpt)
+    assert seen and all(held for _, held in seen), seen
+    assert leftovers(ckpt) == []
+
+
+def test_a_save_whose_new_directory_is_taken_by_remove_leftovers_starts_again(tmp_path):
+    """`remove_leftovers` may lock a save's new directory between its creation and the save's
+    own lock: it deletes it (empty), and the save makes another."""
+    ckpt = tmp_path / "ckpt"
+    save(ckpt)
+    removed = []
+
+    def cleaner(when, op, paths):
+        if (when, op) == ("after", "mkdir") and not removed:
+            removed.append(eqx_lean.remove_leftovers(ckpt).removed)
+
+    with fs.hooked(cleaner):
+        save(ckpt, stacked(3, 2))
+    assert len(removed[0]) == 1 and removed[0][0].name.startswith(".ckpt.tmp-")
+    assert_tensors_equal(read_checkpoint(ckpt), tensors_of(stacked(3, 2)))
+    assert leftovers(ckpt) == []
+
+
+# --------------------------------------------------------------------------------------------
+# An old checkpoint left aside (no atomic exchange)
+
+
+def left_aside(tmp_path, monkeypatch) -> Path:
+    """A save without `renameat2` that failed between its two renames: the target is missing,
+    the old checkpoint lies in `.ckpt.old-*`, the new one in `.ckpt.tmp-*`."""
+    ckpt = tmp_path / "ckpt"
+    save(ckpt, stacked(2, 7))
+    monkeypatch.setattr(fs, "_renameat2", lambda: None)
+
+    def fail(when, op, paths):
+        if (when, op) == ("after", "rename"):
+            raise KeyboardInterrupt
+
+    with fs.hooked(fail), pytest.raises(KeyboardInterrupt) as e:
+        save(ckpt)
+    assert "is missing: the old checkpoint lies in" in "\n".join(e.value.__notes__)
+    assert not ckpt.exists()
+    return ckpt
+
+
+def test_an_old_checkpoint_left_aside_is_renamed_back(tmp_path, monkeypatch):
+    ckpt = left_aside(tmp_path, monkeypatch)
+    old_copy, new_copy = [tmp_path / n for n in leftovers(ckpt)]
+    assert old_copy.name.startswith(".ckpt.old-") and new_copy.name.startswith(".ckpt.tmp-")
+    result = eqx_lean.remove_leftovers(str(ckpt))
+    assert result.restored == old_copy and result.removed == [new_copy]
+    assert leftovers(ckpt) == []
+    assert_tensors_equal(read_checkpoint(ckpt), tensors_of(stacked(2, 7)))
+
+
+def test_an_old_checkpoint_left_aside_is_deleted_once_the_path_exists(tmp_path, monkeypatch):
+    ckpt = left_aside(tmp_path, monkeypatch)
+    with pytest.warns(UserWarning, match=r"\.ckpt\.old-.*\.ckpt\.tmp-"):
+        save(ckpt, stacked(3, 8))  # a first save now
+    result = eqx_lean.remove_leftovers(ckpt)
+    assert result.restored is None and len(result.removed) == 2
+    assert leftovers(ckpt) == []
+    assert_tensors_equal(read_checkpoint(ckpt), tensors_of(stacked(3, 8)))
+
+
+def test_remove_leftovers_touches_nothing_else(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    save(ckpt)
+    os.symlink("ckpt", tmp_path / "latest")
+    for name in (".ckpt.tmp-notatoken", ".ckpt.tmp-0123abcd0", ".other.tmp-0123abcd", "x"):
+        (tmp_path / name).mkdir()
+    (tmp_path / ".ckpt.old-0123abcd").write_text("a file, not a save's directory")
+    os.symlink("ckpt", tmp_path / ".ckpt.tmp-89abcdef")
+    (tmp_path / ".ckpt.tmp-01234567").mkdir()
+    before = sorted(os.listdir(tmp_path))
+    # Through the link: leftovers lie beside the directory it points to, as a save's do.
+    assert eqx_lean.remove_leftovers(tmp_path / "latest").removed == [
+        tmp_path / ".ckpt.tmp-01234567"
+    ]
+    assert sorted(os.listdir(tmp_path)) == [n for n in before if n != ".ckpt.tmp-01234567"]
+    assert eqx_lean.remove_leftovers(tmp_path / "missing" / "ckpt") == ([], None, [])
+
+
+def test_remove_leftovers_refuses_a_bytes_path(tmp_path):
+    with pytest.raises(TypeError, match=r"`path` must be a `str` or an `os.PathLike`.*bytes"):
+        eqx_lean.remove_leftovers(os.fsencode(tmp_path))  # pyright: ignore[reportArgumentType]
+
+
+# --------------------------------------------------------------------------------------------
+# Concurrent first saves
+
+
+def test_concurrent_first_saves_each_end_with_one_complete_checkpoint(tmp_path):
+    """Three processes save to a path that does not exist yet, six rounds: in odd rounds all
+    three reach their swap together (two find the path made by the first, and exchange with
+    it), in even rounds they start together. Every save succeeds (the last swap wins), the
+    path holds one saver's complete checkpoint, and nothing is left beside it."""
+    racing = child("race", str(tmp_path), "3", "6", stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    stdout, stderr = racing.communicate(timeout=300)
+    assert racing.returncode == 0, stderr
+    rounds = [json.loads(line) for line in stdout.splitlines()]
+    assert len(rounds) == 6, stderr
+    for report in rounds:
+        assert report["exits"] == [0, 0, 0], (report, stderr)
+        assert report["saver"] in (0, 1, 2), report
+        assert report["beside"] == [], report
