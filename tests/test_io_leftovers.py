@@ -94,18 +94,21 @@ def test_a_running_save_s_directory_is_never_removed(tmp_path):
 
 
 def test_a_save_holds_its_directory_from_creation_to_its_end(tmp_path):
+    """Its new directory while it builds it, and the old checkpoint, once swapped out under
+    the new directory's name, until it is deleted."""
     ckpt = tmp_path / "ckpt"
     save(ckpt)
     seen = []
 
     def check(when, op, paths):
-        if os.path.basename(os.path.dirname(paths[0])).startswith(".ckpt.tmp-"):
-            new = Path(os.path.dirname(paths[0]))
-            seen.append((op, eqx_lean.remove_leftovers(ckpt).skipped_locked == [new]))
+        inside = os.path.basename(os.path.dirname(paths[0])).startswith(".ckpt.tmp-")
+        if inside or (when, op) == ("before", "remove"):  # building it; deleting the old one
+            held = Path(paths[0] if op == "remove" else os.path.dirname(paths[0]))
+            seen.append((op, eqx_lean.remove_leftovers(ckpt).skipped_locked == [held]))
 
     with fs.hooked(check):
         save(ckpt)
-    assert seen and all(held for _, held in seen), seen
+    assert ("remove", True) in seen and all(held for _, held in seen), seen
     assert leftovers(ckpt) == []
 
 
@@ -197,15 +200,17 @@ def test_remove_leftovers_refuses_a_bytes_path(tmp_path):
 
 
 def test_concurrent_first_saves_each_end_with_one_complete_checkpoint(tmp_path):
-    """Three processes save to a path that does not exist yet, six rounds: in odd rounds all
+    """Three processes save to a path that does not exist yet, ten rounds: in odd rounds all
     three reach their swap together (two find the path made by the first, and exchange with
     it), in even rounds they start together. Every save succeeds (the last swap wins), the
-    path holds one saver's complete checkpoint, and nothing is left beside it."""
-    racing = child("race", str(tmp_path), "3", "6", stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    path holds one saver's complete checkpoint, nothing is left beside it, and no save takes
+    another's directory for a dead save's."""
+    racing = child("race", str(tmp_path), "3", "10", stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     stdout, stderr = racing.communicate(timeout=300)
     assert racing.returncode == 0, stderr
     rounds = [json.loads(line) for line in stdout.splitlines()]
-    assert len(rounds) == 6, stderr
+    assert len(rounds) == 10, stderr
+    assert "Warning" not in stderr, stderr
     for report in rounds:
         assert report["exits"] == [0, 0, 0], (report, stderr)
         assert report["saver"] in (0, 1, 2), report

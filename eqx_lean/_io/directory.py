@@ -19,6 +19,7 @@ import errno
 import os
 import stat
 import sys
+import time
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -34,6 +35,8 @@ from .owned import Owner
 RELISTS = 5
 # Swaps tried, at most, when the target appears or vanishes just before one.
 SWAP_TRIES = 3
+# Seconds a save waits, at most, for another save to release the directory it will swap out.
+LOCK_WAIT = 5.0
 
 
 def _warn(message: str) -> None:
@@ -292,15 +295,26 @@ def _settle(target: Target, carrier: carry.Carrier) -> carry.Listing | None:
     return listing
 
 
-def _lock_quietly(path: Path, locks: contextlib.ExitStack) -> None:
-    """Locks the old checkpoint until the save ends, so that `remove_leftovers` leaves it to
-    this save once it lies under a leftover's name; never waits, never fails."""
-    try:
-        fd = fs.lock(path)
-    except OSError:
-        return
-    if fd is not None:
-        locks.callback(os.close, fd)
+def _lock_occupant(path: Path, locks: contextlib.ExitStack) -> None:
+    """Locks the directory at `path` until the save ends, so that once swapped out it is never
+    taken for a dead save's leftover; never fails.
+
+    Another save may hold it: one whose new directory it is, finishing (deleting its own old
+    checkpoint). Waiting for it (`LOCK_WAIT` seconds at most) is short, and cannot deadlock:
+    a save waits only for a save that swapped before it.
+    """
+    deadline = time.monotonic() + LOCK_WAIT
+    while True:
+        try:
+            fd = fs.lock(path)
+        except OSError:
+            return
+        if fd is not None:
+            locks.callback(os.close, fd)
+            return
+        if not os.path.lexists(path) or time.monotonic() > deadline:
+            return
+        time.sleep(0.005)
 
 
 def _swap(
@@ -310,6 +324,7 @@ def _swap(
     checkpoint then lies (`None` if there was none)."""
     path, new = target.path, carrier.new
     for _ in range(SWAP_TRIES):
+        _lock_occupant(path, locks)  # before the last listing: a wait adds nothing unlisted
         listing = _settle(target, carrier)
         mode = listing.mode if listing is not None else target.mode if target.exists else None
         carrier.finish(mode)
@@ -317,7 +332,6 @@ def _swap(
             if listing is None:
                 fs.rename(new, path)
                 return None
-            _lock_quietly(path, locks)
             if fs.exchange(new, path):
                 return new
             _swap_by_renames(new, path, aside)

@@ -70,10 +70,18 @@ def make_locked_dir(target: Path, mode: int, locks: ExitStack, made: list[Path])
 
 
 def unlocked(target: Path) -> list[Path]:
-    """The leftovers of `target`'s saves that no process holds: left by saves that died."""
+    """The leftovers of `target`'s saves that no process holds: left by saves that died.
+
+    Empty ones are passed over: a save creates its directory empty and locks it at once, and
+    taking the lock in between would make it start again; a dead save's empty one costs
+    nothing (and `remove_leftovers` deletes it).
+    """
     found = []
     for leftover in leftovers_of(target):
         try:
+            with os.scandir(leftover) as entries:
+                if next(entries, None) is None:
+                    continue
             fd = fs.lock(leftover)
         except OSError:  # say, another user's, unreadable: this save cannot tell; it is no error
             continue
