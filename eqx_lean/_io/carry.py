@@ -109,13 +109,13 @@ def list_target(
     def scan(directory: Path, prefix: str) -> None:
         for dir_entry in sorted(os.scandir(directory), key=lambda e: e.name):
             try:
-                sort(dir_entry, prefix)
+                classify(dir_entry, prefix)
             except (FileNotFoundError, NotADirectoryError):
                 if os.path.lexists(dir_entry.path):
                     raise
                 # Deleted (or renamed) while being listed: it is not in this listing.
 
-    def sort(dir_entry: os.DirEntry, prefix: str) -> None:
+    def classify(dir_entry: os.DirEntry, prefix: str) -> None:
         relative = prefix + dir_entry.name
         source = Path(dir_entry.path)
         info = dir_entry.stat(follow_symlinks=False)
