@@ -220,10 +220,12 @@ def _stored_layers(stored: dict[str, Any]) -> int:
     return 1 + max((int(n) for n in indices if n.isdecimal()), default=-1)
 
 
-def _check_config(path: str, config: MistralConfig, like: Mistral, strict: bool) -> None:
+def _check_config(
+    checkpoint: eqx_lean.Checkpoint, path: str, config: MistralConfig, like: Mistral, strict: bool
+) -> None:
     """`config.json` must describe the weights: their layer count and every tensor's shape."""
     config_file = os.path.join(path, "config.json")
-    stored = eqx_lean.checkpoint_tensors(path)
+    stored = eqx_lean.checkpoint_tensors(checkpoint)
     held, expected = _stored_layers(stored), config.num_hidden_layers
     if held < expected or (strict and held > expected):
         hint = (
@@ -251,7 +253,7 @@ def _check_config(path: str, config: MistralConfig, like: Mistral, strict: bool)
 
 
 def load_hf(
-    path: str | os.PathLike,
+    path: str | os.PathLike | eqx_lean.Checkpoint,
     *,
     dtype: Any = None,
     sharding: Any = None,
@@ -270,7 +272,12 @@ def load_hf(
     **Arguments:**
 
     - `path`: a directory with `config.json` and `model.safetensors` or a sharded
-        `model.safetensors.index.json` (as written by `save_pretrained` or [`save_hf`][]).
+        `model.safetensors.index.json` (as written by `save_pretrained` or [`save_hf`][]); or
+        such a directory already opened with `eqx_lean.open_checkpoint(path,
+        files=["config.json", ...])`, to read other files of the same checkpoint with it.
+        `config.json` and the weights are read from one checkpoint, opened whole: a save
+        replacing the directory during the load gives the old or the new model, never the
+        config of one with the weights of the other.
     - `dtype`: the model's dtype; `None` means the checkpoint's (`config.json`'s `dtype`).
     - `sharding`: as for [`eqx_lean.load_tensors`][]: `None`, one `jax.sharding.Sharding` for
         every leaf, a pytree of shardings with the model's structure, or a rule such as
@@ -282,14 +289,36 @@ def load_hf(
 
     The [`Mistral`][] model.
     """
+    if isinstance(path, eqx_lean.Checkpoint):
+        return _load_opened(path, path.source, dtype, sharding, strict)
     path = os.fspath(path)
-    config = MistralConfig.from_json(path)
     _require_weights(path)
+    with eqx_lean.open_checkpoint(path, files=["config.json"]) as checkpoint:
+        return _load_opened(checkpoint, path, dtype, sharding, strict)
+
+
+def _load_opened(
+    checkpoint: eqx_lean.Checkpoint, path: str, dtype: Any, sharding: Any, strict: bool
+) -> Mistral:
+    config_file = os.path.join(path, "config.json")
+    try:
+        raw = checkpoint.file("config.json")
+    except KeyError:
+        raise ValueError(
+            "`path` must be opened with its config: `eqx_lean.open_checkpoint(path, "
+            "files=['config.json', ...])`."
+        ) from None
+    if raw is None:
+        raise FileNotFoundError(
+            f"`path` must be a HF checkpoint directory holding config.json; {config_file} does "
+            "not exist."
+        )
+    config = MistralConfig.from_json_bytes(raw, config_file)
     like = abstract_model(config, _resolve_dtype(config, dtype))
-    _check_config(path, config, like, strict)
+    _check_config(checkpoint, path, config, like, strict)
     layers = None if strict else config.num_hidden_layers
     return eqx_lean.load_tensors(
-        path, like, _hf_name, sharding=sharding, layers=layers, strict=strict
+        checkpoint, like, _hf_name, sharding=sharding, layers=layers, strict=strict
     )
 
 
