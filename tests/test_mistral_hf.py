@@ -168,7 +168,7 @@ def test_config_and_weights_come_from_one_save_when_a_save_lands_during_the_load
 
     path = tmp_path / "checkpoint"
     checkpoint(path, rms_norm_eps=1e-5)
-    newer = init(MistralConfig(**(TINY | {"rms_norm_eps": 1e-3})), key=jax.random.key(1))
+    newer = init(MistralConfig(**TINY, rms_norm_eps=1e-3), key=jax.random.key(1))
     live = snapshot._Opener.live
     saved = []
 
