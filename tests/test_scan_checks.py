@@ -1,5 +1,5 @@
 """What `fold` and `scan` check before JAX sees their inputs, and that the fixes their messages
-give work: `num_layers=`, leaves without the layer axis, a sharded layer axis.
+give work: `num_layers=`, leaves without the layer axis, a sharded layer axis, `remat=`.
 
 Values are compared with a Python loop over `eqx_lean.unstack` (gradients by differentiating
 that loop). The sharded checks need 8 devices, fixed when JAX starts: they run in a fresh
@@ -175,6 +175,48 @@ def test_the_fixes_for_a_python_float_field_match_the_loop():
     assert found.alpha is None
     assert_close(found, eqx.filter_grad(loop_loss)(plain))
     assert_close(eqx.filter_jit(loss)(plain), loop_loss(plain))
+
+
+# --- remat -------------------------------------------------------------------------------------
+
+
+def test_remat_that_is_not_a_policy_is_refused_up_front():
+    stacked, x = stack_of(StaticScaled), jnp.ones(DIM)
+    with pytest.raises(TypeError, match=r"`remat` must be a checkpoint policy.*built-in.*len"):
+        eqx_lean.fold(stacked, x, remat=len)  # pyright: ignore[reportArgumentType]
+    with pytest.raises(TypeError, match=r"`remat` must be a checkpoint policy"):
+        call = lambda layer, x, _: (layer(x), None)  # noqa: E731
+        eqx_lean.scan(stacked, x, call=call, remat=jax.checkpoint)  # pyright: ignore
+    factory = r"`jax\.checkpoint_policies\.save_only_these_names` makes a policy: call it"
+    with pytest.raises(TypeError, match=factory):
+        eqx_lean.fold(stacked, x, remat=jax.checkpoint_policies.save_only_these_names)
+    with pytest.raises(TypeError, match=r"`NestedRemat\(policy=...\)` must be a checkpoint"):
+        eqx_lean.NestedRemat(policy=len)  # pyright: ignore[reportArgumentType]
+
+
+@pytest.mark.parametrize(
+    "remat",
+    [
+        jax.checkpoint_policies.save_only_these_names("none"),
+        jax.checkpoint_policies.save_from_both_policies(
+            jax.checkpoint_policies.dots_saveable, jax.checkpoint_policies.nothing_saveable
+        ),
+        lambda primitive, *avals, **params: primitive.name == "tanh",
+        eqx_lean.NestedRemat(2, policy=lambda primitive, *_, **__: False),
+    ],
+    ids=["save_only_these_names", "save_from_both", "user-lambda", "nested-user-lambda"],
+)
+def test_policies_are_accepted_and_match_the_loop(remat):
+    stacked, x = stack_of(StaticScaled), jnp.linspace(-1, 1, DIM)
+
+    def loss(stacked, x):
+        return jnp.sum(jnp.sin(eqx_lean.fold(stacked, x, remat=remat)))
+
+    def loop_loss(stacked, x):
+        return jnp.sum(jnp.sin(loop(stacked, x)))
+
+    grad = eqx.filter_grad(loss)
+    assert_close(grad(stacked, x), eqx.filter_grad(loop_loss)(stacked, x))
 
 
 # --- a sharded layer axis, on 8 devices --------------------------------------------------------
