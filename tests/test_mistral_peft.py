@@ -7,6 +7,7 @@ write for each initialisation, and the logits of `PeftModel.from_pretrained` on 
 
 import dataclasses
 import json
+import os
 import pathlib
 import re
 from typing import Any
@@ -17,9 +18,9 @@ import pytest
 from test_mistral import TINY, forward, hf_logits, hf_model, max_diff, tokens
 from test_mistral_lora import fresh_hf
 
-from examples.mistral7b import MistralConfig, load_hf
+from examples.mistral7b import MistralConfig, load_hf, save_hf
 from examples.mistral7b.hf import abstract_model
-from examples.mistral7b.lora import TARGETS, LoraConfig
+from examples.mistral7b.lora import TARGETS, LoraConfig, add_lora
 from examples.mistral7b.peft_fields import FIELDS
 from examples.mistral7b.peft_format import (
     from_peft,
@@ -352,3 +353,17 @@ def test_a_kasa_adapter_is_refused_by_its_config_field(base, tmp_path):
         load_adapters(model, adapter)
     assert str(adapter / "adapter_config.json") in str(e.value)
     assert "strict" not in str(e.value)
+
+
+# --- save_hf -----------------------------------------------------------------------------------
+
+
+def test_save_hf_refuses_unmerged_adapters(base, tmp_path):
+    config = LoraConfig(r=2, target_modules=("q", "down"))
+    model = add_lora(load_hf(base, dtype=jnp.float32), config, key=jax.random.key(0))
+    with pytest.raises(ValueError, match="unmerged LoRA adapters") as error:
+        save_hf(model, tmp_path / "out")
+    message = str(error.value)
+    assert "self_attn.q_proj" in message and "mlp.down_proj" in message
+    assert "`merge_lora(model)`" in message and "`save_adapters(model, path)`" in message
+    assert not os.path.exists(tmp_path / "out")
