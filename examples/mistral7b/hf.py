@@ -322,6 +322,16 @@ def _load_opened(
     )
 
 
+def _adapted_projections(model: Mistral) -> list[str]:
+    """The projections of `model`'s layers that are not plain linear layers (LoRA-adapted)."""
+    adapted = []
+    for name in _BLOCK_TENSORS:
+        module = functools.reduce(getattr, name.split(".")[:-1], model.layers)
+        if not isinstance(module, eqx.nn.Linear | RMSNorm):
+            adapted.append(name.removesuffix(".weight"))
+    return adapted
+
+
 def save_hf(
     model: Mistral,
     path: str | os.PathLike,
@@ -342,6 +352,9 @@ def save_hf(
     (tokenizer, generation config) are copied into the new directory; see
     [`eqx_lean.save_stacked`][] for what a save owns, carries over and refuses.
 
+    A model with LoRA adapters is refused: merge them first ([`merge_lora`][]), or save the
+    adapters alone ([`save_adapters`][]).
+
     **Arguments:**
 
     - `model`: the [`Mistral`][] model.
@@ -354,6 +367,14 @@ def save_hf(
         copy (such as the base checkpoint's tokenizer files). Not `config.json`, which this
         writes.
     """
+    adapted = _adapted_projections(model)
+    if adapted:
+        raise ValueError(
+            f"`model` must have plain projections to be saved as a HF checkpoint; its {adapted} "
+            "hold unmerged LoRA adapters, which `transformers` would not load (it would draw "
+            "fresh projections in their place). Merge them into the base weights first with "
+            "`merge_lora(model)`, or save the adapters alone with `save_adapters(model, path)`."
+        )
     if files is not None and "config.json" in files:
         raise ValueError("`files` must not hold 'config.json': save_hf writes it from the model.")
     config = model.config.to_hf()
