@@ -257,12 +257,29 @@ def load_adapters(model: Mistral, path: str | os.PathLike) -> Mistral:
     `model` with [`LoraLinear`][] projections holding the loaded adapters.
     """
     path = os.fspath(path)
-    config = read_adapter_config(path)
-    like = eqx.filter_eval_shape(
-        init_adapters, model, config, key=jax.random.key(0), dtype=jnp.float32
-    )
-    # Strict, as every load: a tensor no adapter is named for (a DoRA magnitude, a trained bias,
-    # an adapter on another module) is refused, naming it.
-    file = os.path.join(path, WEIGHTS_FILE)
-    adapters = eqx_lean.load_tensors(file, like, _stacked_adapter_names, dtype=jnp.float32)
+    with _open_adapters(path) as checkpoint:
+        raw = checkpoint.file(CONFIG_FILE)
+        file = os.path.join(path, CONFIG_FILE)
+        if raw is None:
+            raise FileNotFoundError(f"`path` must be a PEFT adapter directory; {file} is missing.")
+        config = parse_adapter_config(raw, file)
+        like = eqx.filter_eval_shape(
+            init_adapters, model, config, key=jax.random.key(0), dtype=jnp.float32
+        )
+        # Strict, as every load: a tensor no adapter is named for (a DoRA magnitude, a trained
+        # bias, an adapter on another module) is refused, naming it.
+        adapters = eqx_lean.load_tensors(
+            checkpoint, like, _stacked_adapter_names, dtype=jnp.float32
+        )
     return apply_adapters(model, adapters, config)
+
+
+def _open_adapters(path: str) -> eqx_lean.Checkpoint:
+    """The adapter weights and `adapter_config.json`, opened as one checkpoint: a save
+    replacing the directory meanwhile gives the old or the new adapters, never the config of
+    one with the weights of the other."""
+    try:
+        return eqx_lean.open_checkpoint(os.path.join(path, WEIGHTS_FILE), files=[CONFIG_FILE])
+    except FileNotFoundError:
+        read_adapter_config(path)  # a missing or bad config is the first thing to say
+        raise
