@@ -556,3 +556,23 @@ def test_adapter_config_and_weights_come_from_one_save_when_a_save_lands_during_
         forward(loaded, input_ids), forward(newer, input_ids), rtol=1e-6, atol=1e-6
     )
     assert not np.allclose(forward(older, input_ids), forward(newer, input_ids), atol=1e-3)
+
+
+@pytest.mark.parametrize("saved_layers, model_layers", [(4, 2), (2, 4)])
+def test_adapters_of_another_layer_count_are_refused_naming_both(
+    tmp_path, saved_layers, model_layers
+):
+    def model_of(layers):
+        config = MistralConfig(**(CONFIGS["head_dim"] | {"num_hidden_layers": layers}))
+        return init(config, key=jax.random.key(0))
+
+    save_adapters(
+        add_lora(model_of(saved_layers), LoraConfig(r=2), key=jax.random.key(1)), tmp_path
+    )
+    with pytest.raises(
+        ValueError,
+        match=rf"adapter_model.safetensors holds adapters for {saved_layers} layers "
+        rf"\('base_model.model.model.layers.0.…' to .*, but `model` has {model_layers}: adapters "
+        "load only onto a model with the layers they were trained on",
+    ):
+        load_adapters(model_of(model_layers), tmp_path)

@@ -210,13 +210,9 @@ def abstract_model(config: MistralConfig, dtype: Any = None) -> Mistral:
 _LAYER_PREFIX = "model.layers."
 
 
-def _stored_layers(stored: dict[str, Any]) -> int:
-    """How many layers the weights hold: one more than the highest `model.layers.{n}.` index."""
-    indices = [
-        name[len(_LAYER_PREFIX) :].split(".", 1)[0]
-        for name in stored
-        if name.startswith(_LAYER_PREFIX)
-    ]
+def stored_layers(stored: dict[str, Any], prefix: str = _LAYER_PREFIX) -> int:
+    """How many layers the weights hold: one more than the highest `<prefix>{n}.` index."""
+    indices = [name[len(prefix) :].split(".", 1)[0] for name in stored if name.startswith(prefix)]
     return 1 + max((int(n) for n in indices if n.isdecimal()), default=-1)
 
 
@@ -226,7 +222,7 @@ def _check_config(
     """`config.json` must describe the weights: their layer count and every tensor's shape."""
     config_file = os.path.join(path, "config.json")
     stored = eqx_lean.checkpoint_tensors(checkpoint)
-    held, expected = _stored_layers(stored), config.num_hidden_layers
+    held, expected = stored_layers(stored), config.num_hidden_layers
     if held < expected or (strict and held > expected):
         hint = (
             f"Fix config.json, or pass `strict=False` to load its first {expected} layers."

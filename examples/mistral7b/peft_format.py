@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 import eqx_lean
 
+from .hf import stored_layers
 from .lora import (
     TARGETS,
     LoraConfig,
@@ -263,6 +264,7 @@ def load_adapters(model: Mistral, path: str | os.PathLike) -> Mistral:
         if raw is None:
             raise FileNotFoundError(f"`path` must be a PEFT adapter directory; {file} is missing.")
         config = parse_adapter_config(raw, file)
+        _check_layer_count(checkpoint, model)
         like = eqx.filter_eval_shape(
             init_adapters, model, config, key=jax.random.key(0), dtype=jnp.float32
         )
@@ -272,6 +274,18 @@ def load_adapters(model: Mistral, path: str | os.PathLike) -> Mistral:
             checkpoint, like, _stacked_adapter_names, dtype=jnp.float32
         )
     return apply_adapters(model, adapters, config)
+
+
+def _check_layer_count(checkpoint: eqx_lean.Checkpoint, model: Mistral) -> None:
+    prefix = _PEFT_PREFIX.removesuffix("{i}.")
+    held = stored_layers(eqx_lean.checkpoint_tensors(checkpoint), prefix)
+    expected = model.config.num_hidden_layers
+    if held and held != expected:
+        raise ValueError(
+            f"{checkpoint.describe()} holds adapters for {held} layers ('{prefix}0.…' to "
+            f"'{prefix}{held - 1}.…'), but `model` has {expected}: adapters load only onto a "
+            "model with the layers they were trained on."
+        )
 
 
 def _open_adapters(path: str) -> eqx_lean.Checkpoint:
