@@ -10,10 +10,14 @@ from ._build import (
 )
 from ._core import clear_caches as clear_caches, fsdp as fsdp
 from ._io import (
+    Checkpoint as Checkpoint,
+    CheckpointReplacedError as CheckpointReplacedError,
+    Leftovers as Leftovers,
     TensorName as TensorName,
     checkpoint_tensors as checkpoint_tensors,
     load_stacked as load_stacked,
     load_tensors as load_tensors,
+    open_checkpoint as open_checkpoint,
     remove_leftovers as remove_leftovers,
     save_stacked as save_stacked,
     save_tensors as save_tensors,

@@ -1,5 +1,6 @@
 """Gradient checkpointing of stacked layers: the `remat=` option of `fold` and `scan`."""
 
+import inspect
 import math
 from collections.abc import Callable
 from typing import Any, Literal, TypeAlias
@@ -62,15 +63,66 @@ class NestedRemat(eqx.Module):
                 "`policy` must be None or a checkpoint policy such as "
                 f"`jax.checkpoint_policies.dots_saveable`; got {self.policy!r}."
             )
+        if self.policy is not None:
+            check_policy(self.policy, "`NestedRemat(policy=...)`")
 
 
 Remat: TypeAlias = bool | _Policy | NestedRemat | Literal["nested"] | None
 
 
+# How `jax.checkpoint` calls a policy, once per operation of the layer: the primitive, the
+# abstract values of its operands and its parameters (here, those of a `dot_general`).
+_PROBES = (
+    ("primitive", "aval"),
+    ("primitive", "aval", "aval"),
+)
+_PROBE_PARAMS = {"dimension_numbers": None, "precision": None, "preferred_element_type": None}
+
+
+def check_policy(policy: Callable[..., Any], argument: str) -> None:
+    """Refuses a callable that `jax.checkpoint` cannot call as a policy, by its signature.
+
+    `jax.checkpoint` calls a policy as `policy(primitive, *avals, **params)` for each operation,
+    with one operand or more and the operation's parameters as keywords; a callable that cannot
+    take one or two operands and keywords (`len`, `jax.checkpoint`, a policy *factory* such as
+    `jax.checkpoint_policies.save_only_these_names`) would fail inside the trace with an error
+    that names no argument. Nothing is called. A callable whose signature cannot be read is
+    accepted, and so is one whose signature fits: what it returns is checked by JAX.
+    """
+    try:
+        signature = inspect.signature(policy)
+    except (TypeError, ValueError):
+        return
+    for probe in _PROBES:
+        try:
+            signature.bind(*probe, **_PROBE_PARAMS)
+        except TypeError as e:
+            problem = e
+            break
+    else:
+        return
+    name = getattr(policy, "__name__", None)
+    hint = ""
+    if name is not None and getattr(jax.checkpoint_policies, name, None) is policy:
+        hint = (
+            f" `jax.checkpoint_policies.{name}` makes a policy: call it, e.g. "
+            f"`jax.checkpoint_policies.{name}(...)`, and pass what it returns."
+        )
+    raise TypeError(
+        f"{argument} must be a checkpoint policy, a function that `jax.checkpoint` calls as "
+        "`policy(primitive, *avals, **params) -> bool` for each operation of the layer, such "
+        f"as `jax.checkpoint_policies.dots_saveable`; {policy!r} cannot be called that way "
+        f"({problem}).{hint}"
+    )
+
+
 def check_remat(remat: Any) -> None:
-    if remat is None or isinstance(remat, bool | NestedRemat) or remat == "nested":
+    if remat is None or isinstance(remat, bool | NestedRemat):
+        return
+    if isinstance(remat, str) and remat == "nested":
         return
     if callable(remat):
+        check_policy(remat, "`remat`")
         return
     raise ValueError(
         "`remat` must be None, True, a `jax.checkpoint_policies` policy, 'nested' or an "

@@ -13,7 +13,6 @@ from jax.custom_derivatives import SymbolicZero
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
 from . import _compat, _platform
-from ._core import num_layers_of_stack
 from ._gather import Gather, gather_targets, gathered_step, tie_gradient_shardings
 from ._remat import (
     SAVE_ALL,
@@ -24,6 +23,7 @@ from ._remat import (
     resolve_remat,
     scan_layers,
 )
+from ._scan_checks import check_xs, checked_stack
 from ._scan_grad import differentiated_by_index
 
 
@@ -51,43 +51,6 @@ def _carry_mismatch(expected: Any, found: Any, name: str) -> str | None:
                 f"{b.dtype}{list(b.shape)}"
             )
     return None
-
-
-def _check_xs(xs: Any, num_layers: int) -> None:
-    for path, leaf in jax.tree_util.tree_flatten_with_path(xs)[0]:
-        where = f"xs{jax.tree_util.keystr(path)}"
-        if not eqx.is_array_like(leaf):
-            raise TypeError(
-                f"`xs` must be a pytree of arrays with a leading layer axis; `{where}` is a "
-                f"{type(leaf).__name__}."
-            )
-        shape = jnp.shape(leaf)
-        if len(shape) == 0 or shape[0] != num_layers:
-            raise ValueError(
-                f"`xs` must have a leading layer axis of length L={num_layers} (the number of "
-                f"stacked layers) on every leaf, one slice per layer; `{where}` has shape "
-                f"{list(shape)}."
-            )
-
-
-def _check_stacked(stacked: Any) -> None:
-    """Refuses a Python sequence of separate layers, the usual mistake, with what to do."""
-    if not (isinstance(stacked, list | tuple) and stacked):
-        return
-    if not all(isinstance(x, eqx.Module) for x in stacked):
-        return
-    if isinstance(stacked, tuple):
-        # A tuple of stacked modules is a valid pytree; a tuple of separate layers is not.
-        try:
-            num_layers_of_stack(eqx.filter(stacked, eqx.is_array))
-            return
-        except ValueError:
-            pass
-    raise TypeError(
-        f"`stacked` must be one module whose array leaves carry a leading layer axis; got a "
-        f"{type(stacked).__name__} of {len(stacked)} separate layers. Stack them first with "
-        "`eqx_lean.stack(layers)` (or build them with `eqx_lean.build_stacked`)."
-    )
 
 
 def _layer_step(
@@ -223,13 +186,12 @@ def _scan(
     remat: Remat,
     unroll: int | bool,
     carry_name: str,
-    gather: Gather = True,
+    gather: Gather,
+    num_layers: int | None,
 ) -> tuple[Any, Any]:
     check_remat(remat)
-    _check_stacked(stacked)
-    dynamic, static = eqx.partition(stacked, eqx.is_array)
-    num_layers = num_layers_of_stack(dynamic)
-    _check_xs(xs, num_layers)
+    dynamic, static, num_layers = checked_stack(stacked, num_layers)
+    check_xs(xs, num_layers)
     targets = gather_targets(dynamic, gather)
     step = gathered_step(_layer_step(static, call, carry_name), targets)
     if num_layers == 0:
@@ -275,6 +237,7 @@ def scan(
     xs: PyTree[Array] = None,
     *,
     call: Callable[[Any, Carry, Any], tuple[Carry, Y]],
+    num_layers: int | None = None,
     remat: Remat = None,
     unroll: int | bool = 1,
     gather: Gather = True,
@@ -291,8 +254,15 @@ def scan(
         x, cache = layer(x, cache)
         return x, cache
 
-    x, new_cache = eqx_lean.scan(blocks, x, cache, call=attend)
+    x, new_cache = eqx_lean.scan(blocks, x, cache, call=attend, num_layers=32)
     ```
+
+    **Say how many layers.** The layer axis is the leading axis of every array leaf, whatever
+    the module is: a module that is not stacked at all has leading axes too, so
+    `eqx_lean.fold(eqx.nn.LayerNorm(8), x)` runs 8 "layers" of scalar norms, one per element of
+    its rank-1 weight and bias, and returns a wrong answer without complaint. Pass
+    `num_layers=L`: every array leaf's leading axis is then checked against it, and a leaf
+    without the layer axis is an error that names it.
 
     **Stateful layers.** Stack the layers and their `eqx.nn.State` together (for example
     `eqx_lean.build_stacked(eqx.nn.make_with_state(Block), keys)` or
@@ -346,14 +316,22 @@ def scan(
     **Arguments:**
 
     - `stacked`: a module whose array leaves share a leading layer axis of length `L`, such as
-        the output of [`eqx_lean.build_stacked`][]. Leaves may be sharded within each layer
-        (see `gather`); the layer axis itself should not be sharded.
+        the output of [`eqx_lean.build_stacked`][]. Every array leaf carries the layer axis; a
+        Python number field becomes a 0-d array where `jax.grad` or `jax.jit` trace the module
+        (an error: mark it `eqx.field(static=True)`, or use `eqx.filter_grad` /
+        `eqx.filter_jit`). Leaves may be sharded within each layer (see `gather`); the layer
+        axis itself must be replicated. A layer axis sharded over Explicit mesh axes (as
+        `jax.make_mesh` makes them) is an error that says how to reshard it; over Auto axes it
+        runs, but XLA gathers the whole stack onto every device.
     - `carry`: the initial carry, a pytree of arrays.
     - `xs`: per-layer inputs: `None`, or a pytree of arrays each with leading axis `L`; layer
         `i` receives the slice `i` of every leaf.
     - `call`: `call(layer, carry, x_i) -> (carry, y_i)`, where `layer` is one layer (the
         stacked module with every array indexed at `i`). The new carry must have the same
         structure, shapes and dtypes as the old one.
+    - `num_layers`: the number of layers `L` the stack must have: every array leaf's leading
+        axis is checked against it (see **Say how many layers** above). `None` (the default)
+        takes `L` from the leaves, which must agree.
     - `remat`: gradient checkpointing, what the forward pass keeps for the backward pass, on
         the layer axis. `None` keeps, for every layer, the carry entering it and every residual
         of its linearisation that depends on the activations (the carry and `x_i`): no
@@ -361,7 +339,8 @@ def scan(
         alone (a bfloat16 weight cast to float32, a transpose) are recomputed in the backward
         pass instead, so that no copy of the stack is kept. `True` keeps only the carries and
         recomputes one layer at a time (about one more forward pass). A
-        `jax.checkpoint_policies` policy keeps the carries and what the policy saves of each
+        `jax.checkpoint_policies` policy (a function `(primitive, *avals, **params) -> bool`,
+        as `jax.checkpoint` calls it) keeps the carries and what the policy saves of each
         layer. `"nested"` or an [`eqx_lean.NestedRemat`][] keeps the carries entering about
         `√L` groups of layers and recomputes one group at a time, holding about `2√L` carries
         (see there for when that beats `True`). The values are the same whatever the choice.
@@ -387,7 +366,7 @@ def scan(
     `(carry, ys)`: the carry after the last layer, and the per-layer outputs `y_i` stacked on a
     new leading axis of length `L`.
     """
-    return _scan(stacked, carry, xs, call, remat, unroll, carry_name="carry", gather=gather)
+    return _scan(stacked, carry, xs, call, remat, unroll, "carry", gather, num_layers)
 
 
 def _check_call_kwargs(kwargs: Mapping[str, Any] | None, key: Any) -> dict[str, Any]:
@@ -417,6 +396,7 @@ def fold(
     kwargs: Mapping[str, Any] | None = None,
     *,
     call: Callable[..., Carry] | None = None,
+    num_layers: int | None = None,
     remat: Remat = None,
     unroll: int | bool = 1,
     key: PRNGKeyArray | None = None,
@@ -427,7 +407,13 @@ def fold(
     ```python
     y = eqx_lean.fold(blocks, x)  # x = block(x) for each block
     y = eqx_lean.fold(blocks, x, (mask,), dict(pos=pos), key=key)  # block(x, mask, pos=pos, key=k)
+    y = eqx_lean.fold(blocks, x, num_layers=32)  # and check that `blocks` holds 32 layers
     ```
+
+    The layer axis is the leading axis of every array leaf, whatever the module is: an
+    unstacked layer has leading axes too, and `fold(eqx.nn.LayerNorm(8), x)` runs 8 "layers" of
+    scalar norms (its rank-1 weight and bias read as 8 layers) without complaint. Pass
+    `num_layers` to have it checked.
 
     The layer's own arguments go in `args` and `kwargs`, so they never collide with `fold`'s
     options. To return something per layer (a KV cache, an auxiliary loss) or to pass stateful
@@ -437,7 +423,8 @@ def fold(
 
     **Arguments:**
 
-    - `stacked`: a module whose array leaves share a leading layer axis of length `L`.
+    - `stacked`: a module whose array leaves share a leading layer axis of length `L`, as for
+        [`eqx_lean.scan`][] (replicated, not sharded over mesh axes).
     - `x`: the input of the first layer; every layer must return the same structure, shapes and
         dtypes.
     - `args`: positional arguments after `x`, the same for every layer (arrays are closed over,
@@ -445,6 +432,8 @@ def fold(
     - `kwargs`: keyword arguments, the same for every layer.
     - `call`: how to apply a layer: `call(layer, x, *args, **kwargs) -> x`. Defaults to
         `layer(x, *args, **kwargs)`.
+    - `num_layers`: the number of layers `L` the stack must have, checked against the leading
+        axis of every array leaf; `None` (the default) takes `L` from the leaves.
     - `remat`: gradient checkpointing, as for [`eqx_lean.scan`][].
     - `unroll`: as for [`eqx_lean.scan`][].
     - `key`: if given, split into `L` keys with `jax.random.split`, layer `i` receiving the
@@ -468,12 +457,11 @@ def fold(
     apply = call if call is not None else _call_layer
     keys = None
     if key is not None:
-        dynamic, _ = eqx.partition(stacked, eqx.is_array)
-        keys = jax.random.split(key, num_layers_of_stack(dynamic))
+        keys = jax.random.split(key, checked_stack(stacked, num_layers)[2])
 
     def step(layer: Any, carry: Any, layer_key: Any) -> tuple[Any, None]:
         key_kwarg = {} if layer_key is None else {"key": layer_key}
         return apply(layer, carry, *args, **key_kwarg, **layer_kwargs), None
 
-    out, _ = _scan(stacked, x, keys, step, remat, unroll, carry_name="x", gather=gather)
+    out, _ = _scan(stacked, x, keys, step, remat, unroll, "x", gather, num_layers)
     return out

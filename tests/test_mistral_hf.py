@@ -157,3 +157,46 @@ def test_abstract_model_is_the_abstract_init(dtype):
     for x, y in zip(leaves, expected, strict=True):
         assert (x.shape, x.dtype) == (y.shape, y.dtype)
     assert dataclasses.asdict(ours.config) == dataclasses.asdict(config)
+
+
+def test_config_and_weights_come_from_one_save_when_a_save_lands_during_the_load(
+    tmp_path, monkeypatch
+):
+    # Two saves with the same shapes but another `rms_norm_eps` and other weights: a config
+    # read apart from the weights would give the weights of one with the epsilon of the other.
+    from eqx_lean._io import snapshot
+
+    path = tmp_path / "checkpoint"
+    checkpoint(path, rms_norm_eps=1e-5)
+    newer = init(MistralConfig(**TINY, rms_norm_eps=1e-3), key=jax.random.key(1))
+    live = snapshot._Opener.live
+    saved = []
+
+    def save_then_check(self):  # lands once every file of the first try is open
+        if not saved:
+            saved.append(save_hf(newer, path))
+        return live(self)
+
+    monkeypatch.setattr(snapshot._Opener, "live", save_then_check)
+    loaded = load_hf(path)
+    assert saved and loaded.config.rms_norm_eps == 1e-3
+    assert_same(loaded, newer)
+
+
+def test_load_hf_of_an_open_checkpoint_reads_that_checkpoint(tmp_path):
+    import eqx_lean
+
+    path = tmp_path / "checkpoint"
+    older = checkpoint(path, rms_norm_eps=1e-5)
+    with eqx_lean.open_checkpoint(path, files=["config.json"]) as opened:
+        checkpoint(path, rms_norm_eps=1e-3)  # replaces the directory; `opened` keeps the old
+        loaded = load_hf(opened)
+    assert loaded.config.rms_norm_eps == 1e-5
+    assert_same(loaded, older)
+    with (
+        eqx_lean.open_checkpoint(path) as opened,
+        pytest.raises(
+            ValueError, match=r"`path` must be opened with its config: `eqx_lean.open_checkpoint"
+        ),
+    ):
+        load_hf(opened)

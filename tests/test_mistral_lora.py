@@ -526,3 +526,53 @@ def test_finetune_and_merge_commands_end_to_end(tmp_path):
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert max_diff(hf_logits(fresh_hf(tmp_path / "merged"), input_ids), logits) <= 1e-4
+
+
+def test_adapter_config_and_weights_come_from_one_save_when_a_save_lands_during_the_load(
+    tmp_path, monkeypatch
+):
+    # Two adapter saves of the same shapes but another `lora_alpha` and other matrices: a config
+    # read apart from the weights would scale the matrices of one by the alpha of the other.
+    from eqx_lean._io import snapshot
+
+    model = init(MistralConfig(**CONFIGS["head_dim"], dtype="float32"), key=jax.random.key(0))
+    older = randomized(add_lora(model, LoraConfig(r=4, lora_alpha=8), key=jax.random.key(1)), 1)
+    newer = randomized(add_lora(model, LoraConfig(r=4, lora_alpha=32), key=jax.random.key(2)), 2)
+    path = tmp_path / "adapters"
+    save_adapters(older, path)
+    live = snapshot._Opener.live
+    saved = []
+
+    def save_then_check(self):  # lands once every file of the first try is open
+        if not saved:
+            saved.append(save_adapters(newer, path))
+        return live(self)
+
+    monkeypatch.setattr(snapshot._Opener, "live", save_then_check)
+    loaded = load_adapters(model, path)
+    assert saved
+    input_ids = jnp.asarray(tokens(0, batch=2, seq=12))
+    np.testing.assert_allclose(
+        forward(loaded, input_ids), forward(newer, input_ids), rtol=1e-6, atol=1e-6
+    )
+    assert not np.allclose(forward(older, input_ids), forward(newer, input_ids), atol=1e-3)
+
+
+@pytest.mark.parametrize("saved_layers, model_layers", [(4, 2), (2, 4)])
+def test_adapters_of_another_layer_count_are_refused_naming_both(
+    tmp_path, saved_layers, model_layers
+):
+    def model_of(layers):
+        config = MistralConfig(**(CONFIGS["head_dim"] | {"num_hidden_layers": layers}))
+        return init(config, key=jax.random.key(0))
+
+    save_adapters(
+        add_lora(model_of(saved_layers), LoraConfig(r=2), key=jax.random.key(1)), tmp_path
+    )
+    with pytest.raises(
+        ValueError,
+        match=rf"adapter_model.safetensors holds adapters for {saved_layers} layers "
+        rf"\('base_model.model.model.layers.0.…' to .*, but `model` has {model_layers}: adapters "
+        "load only onto a model with the layers they were trained on",
+    ):
+        load_adapters(model_of(model_layers), tmp_path)

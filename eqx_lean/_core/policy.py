@@ -407,11 +407,17 @@ def per_layer_sharding(path: KeyPath, sharding: Sharding | None, argument: str) 
         return sharding
     spec = tuple(sharding.spec)
     if spec and spec[0] is not None:
+        # Passing `layer_axis=` alone gives this error again: the leaf still carries the spec.
+        replicated = PartitionSpec(None, *spec[1:])
         raise ValueError(
             f"`{argument}`: leaf {jax.tree_util.keystr(path)} carries the stacked sharding "
-            f"{sharding.spec}, which shards the layer axis. Shardings are per layer with the "
-            "layer axis replicated (since eqx_lean 0.2.0); to shard the layer axis itself, pass "
-            "`layer_axis=` instead."
+            f"{sharding.spec}, which shards the layer axis over {spec[0]!r}. The shardings "
+            f"`{argument}` carries must replicate the layer axis (their spec starts with None), "
+            f"here {replicated}; the loaded stack then runs under `fold` and `scan`. To shard "
+            f"the layer axis itself (pipeline stages), give that spec and also pass "
+            f"`layer_axis={spec[0]!r}`. (Or pass the per-layer sharding as `sharding=`, here "
+            f"{PartitionSpec(*spec[1:])} with `mesh=`, which overrides the shardings "
+            f"`{argument}` carries.)"
         )
     return NamedSharding(sharding.mesh, PartitionSpec(*spec[1:]))
 

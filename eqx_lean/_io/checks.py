@@ -11,7 +11,7 @@ import jax
 
 from .._core import KeyPath, is_floating
 from .names import LAYER, TensorName
-from .safetensors import Checkpoint
+from .snapshot import Checkpoint
 
 
 IGNORED_BUFFERS = ("rotary_emb.inv_freq",)

@@ -1,7 +1,8 @@
 """Loading: checkpoint tensors streamed into preallocated (and possibly sharded) buffers."""
 
+import contextlib
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, TypeVar
 
 import equinox as eqx
@@ -48,7 +49,8 @@ from .names import (
     require_all_stacked,
     resolve_names,
 )
-from .safetensors import Checkpoint, Maps, open_checkpoint
+from .safetensors import Maps
+from .snapshot import Checkpoint, open_checkpoint
 
 
 M = TypeVar("M")
@@ -241,7 +243,7 @@ def _load_into(
     groups = plan_chunks(targets, _CHUNK_BYTES)
     compiled = compile_chunk_writes(groups)  # before allocating: see its docstring
     buffers = _allocate(targets)
-    maps = Maps()
+    maps = Maps(checkpoint.fds)
     try:
         reader = _Reader([leaves[j] for j in named], checkpoint, selected, maps)
         fill_chunks(groups, compiled, buffers, reader.read, reader.release)
@@ -270,18 +272,39 @@ def _load(
     dtype = check_dtype_policy(dtype)
     layout, leaves, num_layers = _plan_leaves(like, names, dtype, sharding, mesh, layer_axis, fn)
     selected = select_layers(layers, num_layers)
-    checkpoint = open_checkpoint(path)
-    held = 0
-    if selected is not None:
-        held = check_layers(leaves, checkpoint, selected, layers_given=layers is not None)
-    check_tensors(leaves, checkpoint, selected, held)
-    if strict:
-        check_unmapped(leaves, checkpoint, selected, whole_model=fn == "load_tensors")
-    return layout.combine(_load_into(leaves, checkpoint, selected))
+    if not isinstance(strict, bool):
+        raise TypeError(
+            f"`strict` must be True (every tensor of the checkpoint must be loaded) or False; "
+            f"got {strict!r}."
+        )
+    with opened(path) as checkpoint:
+        held = 0
+        if selected is not None:
+            held = check_layers(leaves, checkpoint, selected, layers_given=layers is not None)
+        check_tensors(leaves, checkpoint, selected, held)
+        if strict:
+            check_unmapped(leaves, checkpoint, selected, whole_model=fn == "load_tensors")
+        return layout.combine(_load_into(leaves, checkpoint, selected))
+
+
+@contextlib.contextmanager
+def opened(path: Any) -> Iterator[Checkpoint]:
+    """`path` opened whole for the block (see `open_checkpoint`); a `Checkpoint` already open
+    is used as it is, and left open."""
+    if not isinstance(path, Checkpoint):
+        with open_checkpoint(path) as checkpoint:
+            yield checkpoint
+        return
+    if path.closed:
+        raise ValueError(
+            f"`path` is a closed checkpoint ({path.describe()}); read it inside its `with "
+            "eqx_lean.open_checkpoint(...)` block, or pass the path itself."
+        )
+    yield path
 
 
 def checkpoint_tensors(
-    path: str | os.PathLike | Sequence[str | os.PathLike],
+    path: str | os.PathLike | Sequence[str | os.PathLike] | Checkpoint,
 ) -> dict[str, jax.ShapeDtypeStruct]:
     """The tensors a checkpoint holds, read from its headers only: nothing is loaded.
 
@@ -304,15 +327,15 @@ def checkpoint_tensors(
     A dict from tensor name to a `jax.ShapeDtypeStruct` of its shape and stored dtype, in the
     order the files hold them.
     """
-    checkpoint = open_checkpoint(path)
-    return {
-        name: jax.ShapeDtypeStruct(tensor.shape, tensor.dtype)
-        for name, tensor in checkpoint.tensors.items()
-    }
+    with opened(path) as checkpoint:
+        return {
+            name: jax.ShapeDtypeStruct(tensor.shape, tensor.dtype)
+            for name, tensor in checkpoint.tensors.items()
+        }
 
 
 def load_tensors(
-    path: str | os.PathLike | Sequence[str | os.PathLike],
+    path: str | os.PathLike | Sequence[str | os.PathLike] | Checkpoint,
     like: M,
     names: Any,
     *,
@@ -377,7 +400,7 @@ def load_tensors(
 
 
 def load_stacked(
-    path: str | os.PathLike | Sequence[str | os.PathLike],
+    path: str | os.PathLike | Sequence[str | os.PathLike] | Checkpoint,
     like: M,
     names: Any,
     *,
@@ -420,7 +443,11 @@ def load_stacked(
     - `path`: a directory holding `model.safetensors.index.json` (as Hugging Face writes
         sharded checkpoints) or `*.safetensors` files, one safetensors file, a list of them, or
         an index file. The index may name only files in its own directory (plain file names;
-        a file that is a symbolic link, as in the Hugging Face cache, is fine).
+        a file that is a symbolic link, as in the Hugging Face cache, is fine). Or a checkpoint
+        already opened with [`eqx_lean.open_checkpoint`][] (to read its `config.json` with it).
+        Every file is opened before any tensor is read, relative to one open descriptor of the
+        directory, so a save replacing the checkpoint during the load gives exactly the old or
+        exactly the new checkpoint, never a mix (see [`eqx_lean.open_checkpoint`][]).
     - `like`: the stacked model to load into; its array leaves may be `jax.ShapeDtypeStruct`s
         (for example from `eqx.filter_eval_shape(eqx_lean.build_stacked, ...)`) or arrays, of
         which only the shape and dtype are used (they are never modified). Non-array leaves and
@@ -457,9 +484,10 @@ def load_stacked(
         `N` loads the first `N` (`like` has `N` layers); a `range` loads those layers, in order
         (`layers=range(16, 32)` loads the second half of a 32-layer checkpoint into a 16-layer
         `like`). Tensors of the other layers are ignored.
-    - `strict`: whether a per-layer tensor of a loaded layer that no leaf is named for is an
-        error (the default), or ignored. Buffers that `transformers` computes from the config
-        (names ending in `.rotary_emb.inv_freq`) are always ignored.
+    - `strict`: `True` (the default) makes a per-layer tensor of a loaded layer that no leaf is
+        named for an error; `False` ignores it. Nothing else is accepted. Buffers that
+        `transformers` computes from the config (names ending in `.rotary_emb.inv_freq`) are
+        always ignored.
 
     **Returns:**
 

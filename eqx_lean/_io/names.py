@@ -6,6 +6,7 @@ from typing import Any
 
 import equinox as eqx
 import jax
+import numpy as np
 
 from .._core import PATH_CONVENTION, KeyPath, Layout, describe_raised, rule_error
 
@@ -39,11 +40,21 @@ class TensorName:
         if not isinstance(self.name, str) or not self.name:
             raise TypeError(f"`TensorName.name` must be a non-empty string; got {self.name!r}.")
         if self.transpose is not None:
-            axes = tuple(int(a) for a in self.transpose)
-            if sorted(axes) != list(range(len(axes))):
+            given = self.transpose
+            # Integers only (NumPy's too): `int()` would truncate 1.5 and take True for 1.
+            integral = (
+                isinstance(given, Sequence)
+                and not isinstance(given, str)
+                and all(
+                    isinstance(a, int | np.integer) and not isinstance(a, bool | np.bool_)
+                    for a in given
+                )
+            )
+            axes = tuple(int(a) for a in given) if integral else ()
+            if not integral or sorted(axes) != list(range(len(axes))):
                 raise ValueError(
-                    "`TensorName.transpose` must be a permutation of the axes 0..n-1, such as "
-                    f"(1, 0); got {self.transpose!r} for {self.name!r}."
+                    "`TensorName.transpose` must be a permutation of the axes 0..n-1 given as "
+                    f"integers, such as (1, 0); got {self.transpose!r} for {self.name!r}."
                 )
             object.__setattr__(self, "transpose", axes)
 

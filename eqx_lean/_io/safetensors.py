@@ -11,9 +11,8 @@ import math
 import mmap
 import os
 import struct
-import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple, TypeGuard
 
@@ -56,16 +55,6 @@ class Tensor(NamedTuple):
     shape: tuple[int, ...]
     start: int  # absolute byte offsets in `file`
     stop: int
-
-
-class Checkpoint(NamedTuple):
-    files: tuple[Path, ...]
-    tensors: dict[str, Tensor]
-
-    def describe(self) -> str:
-        if len(self.files) == 1:
-            return str(self.files[0])
-        return f"{len(self.files)} files in {self.files[0].parent}"
 
 
 def pickle_error(path: Path) -> ValueError:
@@ -121,9 +110,10 @@ def _parse_entry(path: Path, name: str, entry: Any, data_start: int) -> Tensor:
     return Tensor(path, dtype, tuple(shape), data_start + begin, data_start + end)
 
 
-def _check_coverage(path: Path, tensors: Sequence[tuple[str, Tensor]], data_start: int) -> None:
+def _check_coverage(
+    path: Path, size: int, tensors: Sequence[tuple[str, Tensor]], data_start: int
+) -> None:
     """The data section must be covered exactly: contiguous, no overlap, nothing left over."""
-    size = path.stat().st_size
     position = data_start
     for name, tensor in sorted(tensors, key=lambda item: (item[1].start, item[1].stop)):
         if tensor.start != position:
@@ -148,30 +138,62 @@ def _check_coverage(path: Path, tensors: Sequence[tuple[str, Tensor]], data_star
         )
 
 
-def _read_header(path: Path) -> dict[str, Tensor]:
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise _bad_file(path, f"it holds {size} bytes, fewer than the 8-byte header length")
-        (header_len,) = struct.unpack("<Q", head)
-        if header_len > size - 8 and _looks_like_pickle(head):
-            raise pickle_error(path)
-        if header_len > size - 8:
-            raise _bad_file(
-                path,
-                f"its header length field says {header_len} bytes, but only {size - 8} bytes "
-                f"follow the 8-byte length field (the file holds {size} bytes in all)",
-            )
-        if header_len > _MAX_HEADER_BYTES:
-            raise _bad_file(
-                path,
-                f"its header length field says {header_len} bytes, more than the "
-                f"{_MAX_HEADER_BYTES} bytes a safetensors header may have",
-            )
-        raw = f.read(header_len)
+def _pread_exactly(fd: int, count: int, offset: int) -> bytes:
+    chunks = []
+    while count > 0:
+        chunk = os.pread(fd, count, offset)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        count -= len(chunk)
+        offset += len(chunk)
+    return b"".join(chunks)
+
+
+def _no_duplicates(path: Path) -> Any:
+    """A `json.loads` hook refusing an object that names a key twice (JSON allows it; the last
+    would silently win)."""
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        result: dict[str, Any] = {}
+        for key, value in items:
+            if key in result:
+                raise _bad_file(
+                    path,
+                    f"its header gives {key!r} twice in one object (each tensor, and each field "
+                    "of a tensor's entry, must appear once)",
+                )
+            result[key] = value
+        return result
+
+    return pairs
+
+
+def read_header(path: Path, fd: int) -> dict[str, Tensor]:
+    """The tensors of the safetensors file open as `fd` (`path` names it in messages), checked
+    completely. Everything is read from `fd`, so header and data come from one file."""
+    size = os.fstat(fd).st_size
+    head = _pread_exactly(fd, 8, 0)
+    if len(head) < 8:
+        raise _bad_file(path, f"it holds {size} bytes, fewer than the 8-byte header length")
+    (header_len,) = struct.unpack("<Q", head)
+    if header_len > size - 8 and _looks_like_pickle(head):
+        raise pickle_error(path)
+    if header_len > size - 8:
+        raise _bad_file(
+            path,
+            f"its header length field says {header_len} bytes, but only {size - 8} bytes "
+            f"follow the 8-byte length field (the file holds {size} bytes in all)",
+        )
+    if header_len > _MAX_HEADER_BYTES:
+        raise _bad_file(
+            path,
+            f"its header length field says {header_len} bytes, more than the "
+            f"{_MAX_HEADER_BYTES} bytes a safetensors header may have",
+        )
+    raw = _pread_exactly(fd, header_len, 8)
     try:
-        header = json.loads(raw.decode("utf-8"))
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates(path))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise _bad_file(path, f"its header is not valid UTF-8 JSON ({e})") from None
     if not isinstance(header, dict):
@@ -182,7 +204,7 @@ def _read_header(path: Path) -> dict[str, Tensor]:
         for name, entry in header.items()
         if name != "__metadata__"
     ]
-    _check_coverage(path, entries, data_start)
+    _check_coverage(path, size, entries, data_start)
     return dict(entries)
 
 
@@ -209,108 +231,39 @@ def _plain_file_name(index_path: Path, tensor: str, file: Any) -> str:
     return file
 
 
-def _files_of_index(index_path: Path) -> tuple[list[Path], dict[str, Path]]:
+def parse_index(index_path: Path, raw: bytes) -> dict[str, str]:
+    """The `weight_map` of an index file's content: tensor name to a plain file name."""
     try:
-        index = json.loads(index_path.read_text())
+        index = json.loads(raw.decode("utf-8"))
         weight_map = index["weight_map"]
         if not isinstance(weight_map, dict):
             raise TypeError("`weight_map` is not an object")
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
         raise ValueError(
             f"{index_path} must be a JSON object with a `weight_map` object from tensor names to "
             f"file names, as Hugging Face writes it; reading it failed: {e!r}"
         ) from None
-    expected = {
-        name: index_path.parent / _plain_file_name(index_path, name, file)
-        for name, file in weight_map.items()
-    }
-    files = sorted(set(expected.values()))
-    for file in files:
-        if not file.is_file():
-            raise ValueError(f"{index_path} refers to {file.name}, which does not exist.")
-    return files, expected
-
-
-def _files_of_directory(directory: Path) -> tuple[list[Path], dict[str, Path]]:
-    index = directory / INDEX_FILE
-    if index.is_file():
-        return _files_of_index(index)
-    files = sorted(directory.glob("*.safetensors"))
-    if files:
-        return files, {}
-    pickles = sorted(p for p in directory.iterdir() if p.suffix in PICKLE_SUFFIXES)
-    if pickles:
-        raise pickle_error(pickles[0])
-    raise ValueError(
-        f"`path` must hold safetensors weights, but the directory {directory} has no "
-        f"{INDEX_FILE} and no *.safetensors file."
-    )
-
-
-def _is_path_list(path: Any) -> bool:
-    return (
-        isinstance(path, Sequence)
-        and len(path) > 0
-        and all(isinstance(p, str | os.PathLike) for p in path)
-    )
-
-
-def _checkpoint_files(path: Any) -> tuple[list[Path], dict[str, Path]]:
-    if isinstance(path, str | os.PathLike):
-        paths = [Path(path)]
-    elif _is_path_list(path):
-        paths = [Path(p) for p in path]
-    else:
-        raise TypeError(
-            "`path` must be a safetensors file, a list of them, or a directory (with "
-            f"{INDEX_FILE} or *.safetensors files); got {path!r}."
-        )
-    if len(paths) == 1 and paths[0].is_dir():
-        return _files_of_directory(paths[0])
-    if len(paths) == 1 and paths[0].name.endswith(".index.json"):
-        return _files_of_index(paths[0])
-    for p in paths:
-        if p.suffix in PICKLE_SUFFIXES:
-            raise pickle_error(p)
-        if not p.is_file():
-            raise FileNotFoundError(f"`path` must name existing files; {p} does not exist.")
-    return paths, {}
-
-
-def open_checkpoint(path: Any) -> Checkpoint:
-    if sys.byteorder != "little":  # pragma: no cover
-        raise NotImplementedError("Reading safetensors files needs a little-endian host.")
-    files, expected = _checkpoint_files(path)
-    tensors: dict[str, Tensor] = {}
-    for file in files:
-        for name, tensor in _read_header(file).items():
-            if name in tensors:
-                raise ValueError(
-                    f"Tensor {name!r} is stored twice, in {tensors[name].file} and in {file}; "
-                    "a checkpoint must name each tensor once."
-                )
-            tensors[name] = tensor
-    for name, file in expected.items():
-        if name not in tensors or tensors[name].file != file:
-            raise ValueError(
-                f"The index names {file} as the file holding tensor {name!r}, but that file has "
-                "no such tensor."
-            )
-    return Checkpoint(tuple(files), tensors)
+    return {name: _plain_file_name(index_path, name, file) for name, file in weight_map.items()}
 
 
 class Maps:
-    """Read-only memory maps of a checkpoint's files, opened on first use (thread-safe)."""
+    """Read-only memory maps of a checkpoint's open files, made on first use (thread-safe).
 
-    def __init__(self):
+    **Arguments:**
+
+    - `fds`: the open file descriptor of each file, by path; maps are made from these
+        descriptors, never by opening a path again.
+    """
+
+    def __init__(self, fds: Mapping[Path, int]):
+        self._fds = fds
         self._maps: dict[Path, mmap.mmap] = {}
         self._lock = threading.Lock()
 
     def _map(self, file: Path) -> mmap.mmap:
         with self._lock:
             if file not in self._maps:
-                with open(file, "rb") as f:
-                    self._maps[file] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                self._maps[file] = mmap.mmap(self._fds[file], 0, access=mmap.ACCESS_READ)
             return self._maps[file]
 
     def view(self, tensor: Tensor) -> np.ndarray:

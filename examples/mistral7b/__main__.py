@@ -22,13 +22,14 @@ import dataclasses
 import os
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+import eqx_lean
 
 
 def _status_kib(field: str) -> int:
@@ -258,13 +259,15 @@ def merge_command(args: argparse.Namespace) -> None:
     from .lora import merge_lora
     from .peft_format import load_adapters
 
-    model = load_adapters(load_hf(args.checkpoint, dtype=args.dtype), args.adapters)
-    # The base's tokenizer files go into the same atomic directory as the merged weights.
-    tokenizer_files = {
-        name: Path(args.checkpoint, name)
-        for name in _TOKENIZER_FILES
-        if os.path.isfile(os.path.join(args.checkpoint, name))
-    }
+    # The base's weights, config and tokenizer files are read from one checkpoint opened whole
+    # (a save replacing it meanwhile cannot mix two), and the tokenizer files go into the same
+    # atomic directory as the merged weights.
+    files = ["config.json", *_TOKENIZER_FILES]
+    with eqx_lean.open_checkpoint(args.checkpoint, files=files) as base:
+        model = load_adapters(load_hf(base, dtype=args.dtype), args.adapters)
+        tokenizer_files = {
+            name: content for name in _TOKENIZER_FILES if (content := base.file(name)) is not None
+        }
     # The base weights were loaded for this merge alone, so they are updated in place.
     save_hf(merge_lora(model, donate=True), args.out, files=tokenizer_files)
     print(f"merged checkpoint written to {args.out}; peak RSS {_gib(_status_kib('VmHWM'))}")

@@ -153,8 +153,23 @@ class MistralConfig:
         """Reads `config.json`, or `path/config.json` if `path` is a directory."""
         if os.path.isdir(path):
             path = os.path.join(path, "config.json")
-        with open(path) as f:
-            text = f.read()
+        with open(path, "rb") as f:
+            return cls.from_json_bytes(f.read(), os.fspath(path))
+
+    @classmethod
+    def from_json_bytes(cls, raw: bytes, path: str) -> "MistralConfig":
+        """Reads the content of a `config.json` file; `path` names it in messages.
+
+        **Arguments:**
+
+        - `raw`: the file's bytes (as [`eqx_lean.Checkpoint.file`][] gives them).
+        - `path`: where they were read from.
+
+        **Returns:**
+
+        The `MistralConfig`, as [`MistralConfig.from_hf`][] reads it.
+        """
+        text = raw.decode("utf-8", errors="replace")
         try:
             hf = json.loads(text)
         except json.JSONDecodeError as e:

@@ -210,21 +210,19 @@ def abstract_model(config: MistralConfig, dtype: Any = None) -> Mistral:
 _LAYER_PREFIX = "model.layers."
 
 
-def _stored_layers(stored: dict[str, Any]) -> int:
-    """How many layers the weights hold: one more than the highest `model.layers.{n}.` index."""
-    indices = [
-        name[len(_LAYER_PREFIX) :].split(".", 1)[0]
-        for name in stored
-        if name.startswith(_LAYER_PREFIX)
-    ]
+def stored_layers(stored: dict[str, Any], prefix: str = _LAYER_PREFIX) -> int:
+    """How many layers the weights hold: one more than the highest `<prefix>{n}.` index."""
+    indices = [name[len(prefix) :].split(".", 1)[0] for name in stored if name.startswith(prefix)]
     return 1 + max((int(n) for n in indices if n.isdecimal()), default=-1)
 
 
-def _check_config(path: str, config: MistralConfig, like: Mistral, strict: bool) -> None:
+def _check_config(
+    checkpoint: eqx_lean.Checkpoint, path: str, config: MistralConfig, like: Mistral, strict: bool
+) -> None:
     """`config.json` must describe the weights: their layer count and every tensor's shape."""
     config_file = os.path.join(path, "config.json")
-    stored = eqx_lean.checkpoint_tensors(path)
-    held, expected = _stored_layers(stored), config.num_hidden_layers
+    stored = eqx_lean.checkpoint_tensors(checkpoint)
+    held, expected = stored_layers(stored), config.num_hidden_layers
     if held < expected or (strict and held > expected):
         hint = (
             f"Fix config.json, or pass `strict=False` to load its first {expected} layers."
@@ -251,7 +249,7 @@ def _check_config(path: str, config: MistralConfig, like: Mistral, strict: bool)
 
 
 def load_hf(
-    path: str | os.PathLike,
+    path: str | os.PathLike | eqx_lean.Checkpoint,
     *,
     dtype: Any = None,
     sharding: Any = None,
@@ -270,7 +268,12 @@ def load_hf(
     **Arguments:**
 
     - `path`: a directory with `config.json` and `model.safetensors` or a sharded
-        `model.safetensors.index.json` (as written by `save_pretrained` or [`save_hf`][]).
+        `model.safetensors.index.json` (as written by `save_pretrained` or [`save_hf`][]); or
+        such a directory already opened with `eqx_lean.open_checkpoint(path,
+        files=["config.json", ...])`, to read other files of the same checkpoint with it.
+        `config.json` and the weights are read from one checkpoint, opened whole: a save
+        replacing the directory during the load gives the old or the new model, never the
+        config of one with the weights of the other.
     - `dtype`: the model's dtype; `None` means the checkpoint's (`config.json`'s `dtype`).
     - `sharding`: as for [`eqx_lean.load_tensors`][]: `None`, one `jax.sharding.Sharding` for
         every leaf, a pytree of shardings with the model's structure, or a rule such as
@@ -282,15 +285,47 @@ def load_hf(
 
     The [`Mistral`][] model.
     """
+    if isinstance(path, eqx_lean.Checkpoint):
+        return _load_opened(path, path.source, dtype, sharding, strict)
     path = os.fspath(path)
-    config = MistralConfig.from_json(path)
     _require_weights(path)
+    with eqx_lean.open_checkpoint(path, files=["config.json"]) as checkpoint:
+        return _load_opened(checkpoint, path, dtype, sharding, strict)
+
+
+def _load_opened(
+    checkpoint: eqx_lean.Checkpoint, path: str, dtype: Any, sharding: Any, strict: bool
+) -> Mistral:
+    config_file = os.path.join(path, "config.json")
+    try:
+        raw = checkpoint.file("config.json")
+    except KeyError:
+        raise ValueError(
+            "`path` must be opened with its config: `eqx_lean.open_checkpoint(path, "
+            "files=['config.json', ...])`."
+        ) from None
+    if raw is None:
+        raise FileNotFoundError(
+            f"`path` must be a HF checkpoint directory holding config.json; {config_file} does "
+            "not exist."
+        )
+    config = MistralConfig.from_json_bytes(raw, config_file)
     like = abstract_model(config, _resolve_dtype(config, dtype))
-    _check_config(path, config, like, strict)
+    _check_config(checkpoint, path, config, like, strict)
     layers = None if strict else config.num_hidden_layers
     return eqx_lean.load_tensors(
-        path, like, _hf_name, sharding=sharding, layers=layers, strict=strict
+        checkpoint, like, _hf_name, sharding=sharding, layers=layers, strict=strict
     )
+
+
+def _adapted_projections(model: Mistral) -> list[str]:
+    """The projections of `model`'s layers that are not plain linear layers (LoRA-adapted)."""
+    adapted = []
+    for name in _BLOCK_TENSORS:
+        module = functools.reduce(getattr, name.split(".")[:-1], model.layers)
+        if not isinstance(module, eqx.nn.Linear | RMSNorm):
+            adapted.append(name.removesuffix(".weight"))
+    return adapted
 
 
 def save_hf(
@@ -313,6 +348,9 @@ def save_hf(
     (tokenizer, generation config) are copied into the new directory; see
     [`eqx_lean.save_stacked`][] for what a save owns, carries over and refuses.
 
+    A model with LoRA adapters is refused: merge them first ([`merge_lora`][]), or save the
+    adapters alone ([`save_adapters`][]).
+
     **Arguments:**
 
     - `model`: the [`Mistral`][] model.
@@ -325,6 +363,14 @@ def save_hf(
         copy (such as the base checkpoint's tokenizer files). Not `config.json`, which this
         writes.
     """
+    adapted = _adapted_projections(model)
+    if adapted:
+        raise ValueError(
+            f"`model` must have plain projections to be saved as a HF checkpoint; its {adapted} "
+            "hold unmerged LoRA adapters, which `transformers` would not load (it would draw "
+            "fresh projections in their place). Merge them into the base weights first with "
+            "`merge_lora(model)`, or save the adapters alone with `save_adapters(model, path)`."
+        )
     if files is not None and "config.json" in files:
         raise ValueError("`files` must not hold 'config.json': save_hf writes it from the model.")
     config = model.config.to_hf()

@@ -1,0 +1,153 @@
+"""What `fold` and `scan` check of their inputs before JAX sees them: the stack's layer axis
+(its length, `num_layers=`, and that it is not sharded) and the per-layer inputs `xs`."""
+
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from ._core import num_layers_of_stack
+from ._core.policy import axis_names, mesh_axis_size
+
+
+def check_num_layers(num_layers: Any) -> None:
+    """Refuses a `num_layers=` that is not `None` or a positive int."""
+    if num_layers is None:
+        return
+    if isinstance(num_layers, bool | np.bool_) or not isinstance(num_layers, int | np.integer):
+        raise TypeError(
+            "`num_layers` must be None or a positive int, the number of stacked layers; got "
+            f"{num_layers!r}."
+        )
+    if num_layers < 1:
+        raise ValueError(
+            "`num_layers` must be None or a positive int, the number of stacked layers; got "
+            f"{num_layers}."
+        )
+
+
+def _struct(leaf: Any) -> str:
+    return f"{jnp.result_type(leaf)}{list(jnp.shape(leaf))}"
+
+
+def _where(path: Any) -> str:
+    return f"`stacked{jax.tree_util.keystr(path)}`"
+
+
+def _scalar_leaf(path: Any, leaf: Any) -> ValueError:
+    weak = bool(getattr(jax.typeof(leaf), "weak_type", False))
+    found = f"{_where(path)} is a 0-d array ({_struct(leaf)}{', weakly typed' if weak else ''})"
+    return ValueError(
+        f"Every array leaf of `stacked` must carry the leading layer axis, but {found}. A "
+        "Python number field of a module (such as `alpha: float`) becomes one where `jax.grad`, "
+        "`jax.jit` or `jax.vmap` trace the module. Mark the field static "
+        "(`eqx.field(static=True)`), or transform with `eqx.filter_grad` / `eqx.filter_jit`, "
+        "which leave non-arrays alone; to give each layer its own value, make it an array "
+        "with the layer axis (shape `(L,)`)."
+    )
+
+
+def stack_length(dynamic: Any, num_layers: int | None) -> int:
+    """The number of layers `L` of the stack's array part `dynamic`, after checking that every
+    leaf carries a leading layer axis of that length (`num_layers`, where given)."""
+    path_leaves = jax.tree_util.tree_flatten_with_path(dynamic)[0]
+    if not path_leaves:
+        raise ValueError("`stacked` has no array leaves, so it has no layer axis.")
+    for path, leaf in path_leaves:
+        if np.ndim(leaf) == 0:
+            raise _scalar_leaf(path, leaf)
+    if num_layers is not None:
+        for path, leaf in path_leaves:
+            if jnp.shape(leaf)[0] != num_layers:
+                raise ValueError(
+                    f"`num_layers={num_layers}`: every array leaf of `stacked` must have a "
+                    f"leading layer axis of length {num_layers}, but {_where(path)} is "
+                    f"{_struct(leaf)}. Is `stacked` one layer rather than a stack of them? "
+                    "Stack layers with `eqx_lean.build_stacked` or `eqx_lean.stack`."
+                )
+        return num_layers
+    first_path, first = path_leaves[0]
+    length = jnp.shape(first)[0]
+    for path, leaf in path_leaves[1:]:
+        if jnp.shape(leaf)[0] != length:
+            raise ValueError(
+                "`stacked` must have one leading layer axis of the same length on every array "
+                f"leaf, but {_where(first_path)} is {_struct(first)} and {_where(path)} is "
+                f"{_struct(leaf)}."
+            )
+    return length
+
+
+def check_layer_axis_replicated(dynamic: Any) -> None:
+    """Refuses a stacked leaf whose type shards the layer axis (over Explicit mesh axes), with
+    how to reshard it; JAX would fail on slicing a layer out of it."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(dynamic)[0]:
+        sharding = getattr(jax.typeof(leaf), "sharding", None)
+        if not isinstance(sharding, NamedSharding):
+            continue
+        spec = sharding.spec
+        if not spec or spec[0] is None or mesh_axis_size(sharding.mesh, spec[0]) == 1:
+            continue
+        names = axis_names(spec[0])
+        axes = f"mesh axis {names[0]!r}" if len(names) == 1 else f"mesh axes {names!r}"
+        replicated = PartitionSpec(None, *spec[1:])
+        raise ValueError(
+            f"{_where(path)} ({_struct(leaf)}, sharded {spec}) has its layer axis (dimension 0) "
+            f"sharded over {axes}. `fold` and `scan` slice one layer at a time out of the stack "
+            "and need its layer axis replicated (shard within each layer instead: each layer is "
+            "gathered just before it runs). Reshard the stack first, for this leaf "
+            f"`jax.device_put(leaf, NamedSharding(mesh, {replicated}))` "
+            f"(inside `jax.jit`: `jax.sharding.reshard(leaf, {replicated})`), or restore or "
+            "load it that way: a target whose specs start with None, or `load_stacked` "
+            "without `layer_axis=`."
+        )
+
+
+def checked_stack(stacked: Any, num_layers: int | None) -> tuple[Any, Any, int]:
+    """`stacked` split into its arrays and the rest, and its number of layers, once checked."""
+    check_num_layers(num_layers)
+    check_stacked(stacked)
+    dynamic, static = eqx.partition(stacked, eqx.is_array)
+    length = stack_length(dynamic, num_layers)
+    check_layer_axis_replicated(dynamic)
+    return dynamic, static, length
+
+
+def check_xs(xs: Any, num_layers: int) -> None:
+    for path, leaf in jax.tree_util.tree_flatten_with_path(xs)[0]:
+        where = f"xs{jax.tree_util.keystr(path)}"
+        if not eqx.is_array_like(leaf):
+            raise TypeError(
+                f"`xs` must be a pytree of arrays with a leading layer axis; `{where}` is a "
+                f"{type(leaf).__name__}."
+            )
+        shape = jnp.shape(leaf)
+        if len(shape) == 0 or shape[0] != num_layers:
+            raise ValueError(
+                f"`xs` must have a leading layer axis of length L={num_layers} (the number of "
+                f"stacked layers) on every leaf, one slice per layer; `{where}` has shape "
+                f"{list(shape)}."
+            )
+
+
+def check_stacked(stacked: Any) -> None:
+    """Refuses a Python sequence of separate layers, the usual mistake, with what to do."""
+    if not (isinstance(stacked, list | tuple) and stacked):
+        return
+    if not all(isinstance(x, eqx.Module) for x in stacked):
+        return
+    if isinstance(stacked, tuple):
+        # A tuple of stacked modules is a valid pytree; a tuple of separate layers is not.
+        try:
+            num_layers_of_stack(eqx.filter(stacked, eqx.is_array))
+            return
+        except ValueError:
+            pass
+    raise TypeError(
+        f"`stacked` must be one module whose array leaves carry a leading layer axis; got a "
+        f"{type(stacked).__name__} of {len(stacked)} separate layers. Stack them first with "
+        "`eqx_lean.stack(layers)` (or build them with `eqx_lean.build_stacked`)."
+    )
