@@ -31,3 +31,25 @@ def compiles():
     jax.monitoring.register_event_duration_secs_listener(counter)
     yield counter
     jax.monitoring.unregister_event_duration_listener(counter)
+
+
+@pytest.fixture
+def when_load_files_are_open(monkeypatch):
+    """`install(action)`: runs `action()` once, when a load's first try has opened every file
+    of the checkpoint and not yet checked that no save replaced it (where a save landing is
+    the hardest to notice). Returns the list of what `action` returned, to check it ran."""
+    from eqx_lean._io import snapshot
+
+    live = snapshot._Opener.live
+    ran: list = []
+
+    def install(action):
+        def action_then_check(opener):
+            if not ran:
+                ran.append(action())
+            return live(opener)
+
+        monkeypatch.setattr(snapshot._Opener, "live", action_then_check)
+        return ran
+
+    return install

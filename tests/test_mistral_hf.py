@@ -160,24 +160,14 @@ def test_abstract_model_is_the_abstract_init(dtype):
 
 
 def test_config_and_weights_come_from_one_save_when_a_save_lands_during_the_load(
-    tmp_path, monkeypatch
+    tmp_path, when_load_files_are_open
 ):
     # Two saves with the same shapes but another `rms_norm_eps` and other weights: a config
     # read apart from the weights would give the weights of one with the epsilon of the other.
-    from eqx_lean._io import snapshot
-
     path = tmp_path / "checkpoint"
     checkpoint(path, rms_norm_eps=1e-5)
     newer = init(MistralConfig(**TINY, rms_norm_eps=1e-3), key=jax.random.key(1))
-    live = snapshot._Opener.live
-    saved = []
-
-    def save_then_check(self):  # lands once every file of the first try is open
-        if not saved:
-            saved.append(save_hf(newer, path))
-        return live(self)
-
-    monkeypatch.setattr(snapshot._Opener, "live", save_then_check)
+    saved = when_load_files_are_open(lambda: save_hf(newer, path))
     loaded = load_hf(path)
     assert saved and loaded.config.rms_norm_eps == 1e-3
     assert_same(loaded, newer)

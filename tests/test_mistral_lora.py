@@ -529,26 +529,16 @@ def test_finetune_and_merge_commands_end_to_end(tmp_path):
 
 
 def test_adapter_config_and_weights_come_from_one_save_when_a_save_lands_during_the_load(
-    tmp_path, monkeypatch
+    tmp_path, when_load_files_are_open
 ):
     # Two adapter saves of the same shapes but another `lora_alpha` and other matrices: a config
     # read apart from the weights would scale the matrices of one by the alpha of the other.
-    from eqx_lean._io import snapshot
-
     model = init(MistralConfig(**CONFIGS["head_dim"], dtype="float32"), key=jax.random.key(0))
     older = randomized(add_lora(model, LoraConfig(r=4, lora_alpha=8), key=jax.random.key(1)), 1)
     newer = randomized(add_lora(model, LoraConfig(r=4, lora_alpha=32), key=jax.random.key(2)), 2)
     path = tmp_path / "adapters"
     save_adapters(older, path)
-    live = snapshot._Opener.live
-    saved = []
-
-    def save_then_check(self):  # lands once every file of the first try is open
-        if not saved:
-            saved.append(save_adapters(newer, path))
-        return live(self)
-
-    monkeypatch.setattr(snapshot._Opener, "live", save_then_check)
+    saved = when_load_files_are_open(lambda: save_adapters(newer, path))
     loaded = load_adapters(model, path)
     assert saved
     input_ids = jnp.asarray(tokens(0, batch=2, seq=12))
