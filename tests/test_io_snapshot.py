@@ -224,3 +224,11 @@ def test_a_transpose_must_be_integer_axes(transpose: Any):
         eqx_lean.TensorName("w", transpose=transpose)
     numpy_axes: Any = (np.int64(1), 0)
     assert eqx_lean.TensorName("w", transpose=numpy_axes).transpose == (1, 0)
+
+
+def test_an_empty_directory_is_refused_as_having_no_weights_not_as_replaced(tmp_path):
+    # An empty listing is also what a directory a save deleted gives; only a directory no
+    # longer at `path` is opened again (`test_a_save_during_the_open_...[directory-True]`).
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match=r"the directory .*empty has no model.safetensors.index"):
+        eqx_lean.checkpoint_tensors(tmp_path / "empty")

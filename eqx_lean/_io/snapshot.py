@@ -310,9 +310,9 @@ class _Opener:
         raw = self.read_small(index, "The index")
         if raw is not None:
             return self._indexed(index, raw)
+        # Empty, or without weights, once a save deleted it: then `live` says so, and the
+        # error below is not raised but the checkpoint opened again.
         names = sorted(os.listdir(self.directory(directory)))
-        if not names:
-            raise _Replaced  # a save deletes the old directory's entries before the directory
         files = [directory / n for n in names if n.endswith(".safetensors")]
         if not files:
             pickles = [n for n in names if Path(n).suffix in PICKLE_SUFFIXES]
@@ -355,10 +355,6 @@ class _Opener:
         fds, self.fds = self.fds, {}
         for fd in fds.values():
             os.close(fd)
-
-
-class _Replaced(Exception):
-    """Raised inside one try: the directory is being deleted by a save."""
 
 
 def _kind_of(mode: int) -> str:
@@ -439,9 +435,6 @@ def open_checkpoint(
         opener = _Opener(request)
         try:
             checkpoint = opener.open()
-        except _Replaced:
-            opener.close()
-            continue
         except Exception:
             # An error about files that a save deleted or replaced meanwhile is no error of
             # the checkpoint: try again. Otherwise it is the checkpoint's own.
