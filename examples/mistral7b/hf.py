@@ -318,16 +318,6 @@ def _load_opened(
     )
 
 
-def _adapted_projections(model: Mistral) -> list[str]:
-    """The projections of `model`'s layers that are not plain linear layers (LoRA-adapted)."""
-    adapted = []
-    for name in _BLOCK_TENSORS:
-        module = functools.reduce(getattr, name.split(".")[:-1], model.layers)
-        if not isinstance(module, eqx.nn.Linear | RMSNorm):
-            adapted.append(name.removesuffix(".weight"))
-    return adapted
-
-
 def save_hf(
     model: Mistral,
     path: str | os.PathLike,
@@ -363,7 +353,9 @@ def save_hf(
         copy (such as the base checkpoint's tokenizer files). Not `config.json`, which this
         writes.
     """
-    adapted = _adapted_projections(model)
+    from .lora import TARGETS, _lora_layers  # here: `lora` imports this module
+
+    adapted = [TARGETS[target][0] for target in _lora_layers(model)]
     if adapted:
         raise ValueError(
             f"`model` must have plain projections to be saved as a HF checkpoint; its {adapted} "
