@@ -566,3 +566,16 @@ def test_adapters_of_another_layer_count_are_refused_naming_both(
         "load only onto a model with the layers they were trained on",
     ):
         load_adapters(model_of(model_layers), tmp_path)
+
+
+def test_a_missing_adapter_config_is_named_with_or_without_the_weights(tmp_path):
+    model = init(MistralConfig(**CONFIGS["head_dim"]), key=jax.random.key(0))
+    save_adapters(add_lora(model, LoraConfig(r=2), key=jax.random.key(1)), tmp_path / "a")
+    (tmp_path / "a" / "adapter_config.json").unlink()
+    (tmp_path / "b").mkdir()
+    for directory in ("a", "b"):  # read with the weights; read alone, the weights missing too
+        with pytest.raises(
+            FileNotFoundError,
+            match=r"`path` must be a PEFT adapter directory; .*adapter_config.json is missing",
+        ):
+            load_adapters(model, tmp_path / directory)

@@ -232,11 +232,15 @@ def parse_adapter_config(raw: bytes, file: str) -> LoraConfig:
     return from_peft(peft, file)
 
 
+def _missing_config(file: str) -> FileNotFoundError:
+    return FileNotFoundError(f"`path` must be a PEFT adapter directory; {file} is missing.")
+
+
 def read_adapter_config(path: str | os.PathLike) -> LoraConfig:
     """Reads and checks `path/adapter_config.json` (see [`parse_adapter_config`][])."""
     file = os.path.join(os.fspath(path), CONFIG_FILE)
     if not os.path.isfile(file):
-        raise FileNotFoundError(f"`path` must be a PEFT adapter directory; {file} is missing.")
+        raise _missing_config(file)
     with open(file, "rb") as f:
         return parse_adapter_config(f.read(), file)
 
@@ -262,7 +266,7 @@ def load_adapters(model: Mistral, path: str | os.PathLike) -> Mistral:
         raw = checkpoint.file(CONFIG_FILE)
         file = os.path.join(path, CONFIG_FILE)
         if raw is None:
-            raise FileNotFoundError(f"`path` must be a PEFT adapter directory; {file} is missing.")
+            raise _missing_config(file)
         config = parse_adapter_config(raw, file)
         _check_layer_count(checkpoint, model)
         like = eqx.filter_eval_shape(
