@@ -10,6 +10,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ._core import num_layers_of_stack
+from ._core.layout import leaf_struct, stack_leaf_name
 from ._core.policy import axis_names, mesh_axis_size
 
 
@@ -29,58 +30,6 @@ def check_num_layers(num_layers: Any) -> None:
         )
 
 
-def _struct(leaf: Any) -> str:
-    return f"{jnp.result_type(leaf)}{list(jnp.shape(leaf))}"
-
-
-def _where(path: Any) -> str:
-    return f"`stacked{jax.tree_util.keystr(path)}`"
-
-
-def _scalar_leaf(path: Any, leaf: Any) -> ValueError:
-    weak = bool(getattr(jax.typeof(leaf), "weak_type", False))
-    found = f"{_where(path)} is a 0-d array ({_struct(leaf)}{', weakly typed' if weak else ''})"
-    return ValueError(
-        f"Every array leaf of `stacked` must carry the leading layer axis, but {found}. A "
-        "Python number field of a module (such as `alpha: float`) becomes one where `jax.grad`, "
-        "`jax.jit` or `jax.vmap` trace the module. Mark the field static "
-        "(`eqx.field(static=True)`), or transform with `eqx.filter_grad` / `eqx.filter_jit`, "
-        "which leave non-arrays alone; to give each layer its own value, make it an array "
-        "with the layer axis (shape `(L,)`)."
-    )
-
-
-def stack_length(dynamic: Any, num_layers: int | None) -> int:
-    """The number of layers `L` of the stack's array part `dynamic`, after checking that every
-    leaf carries a leading layer axis of that length (`num_layers`, where given)."""
-    path_leaves = jax.tree_util.tree_flatten_with_path(dynamic)[0]
-    if not path_leaves:
-        raise ValueError("`stacked` has no array leaves, so it has no layer axis.")
-    for path, leaf in path_leaves:
-        if np.ndim(leaf) == 0:
-            raise _scalar_leaf(path, leaf)
-    if num_layers is not None:
-        for path, leaf in path_leaves:
-            if jnp.shape(leaf)[0] != num_layers:
-                raise ValueError(
-                    f"`num_layers={num_layers}`: every array leaf of `stacked` must have a "
-                    f"leading layer axis of length {num_layers}, but {_where(path)} is "
-                    f"{_struct(leaf)}. Is `stacked` one layer rather than a stack of them? "
-                    "Stack layers with `eqx_lean.build_stacked` or `eqx_lean.stack`."
-                )
-        return num_layers
-    first_path, first = path_leaves[0]
-    length = jnp.shape(first)[0]
-    for path, leaf in path_leaves[1:]:
-        if jnp.shape(leaf)[0] != length:
-            raise ValueError(
-                "`stacked` must have one leading layer axis of the same length on every array "
-                f"leaf, but {_where(first_path)} is {_struct(first)} and {_where(path)} is "
-                f"{_struct(leaf)}."
-            )
-    return length
-
-
 def check_layer_axis_replicated(dynamic: Any) -> None:
     """Refuses a stacked leaf whose type shards the layer axis (over Explicit mesh axes), with
     how to reshard it; JAX would fail on slicing a layer out of it."""
@@ -95,10 +44,11 @@ def check_layer_axis_replicated(dynamic: Any) -> None:
         axes = f"mesh axis {names[0]!r}" if len(names) == 1 else f"mesh axes {names!r}"
         replicated = PartitionSpec(None, *spec[1:])
         raise ValueError(
-            f"{_where(path)} ({_struct(leaf)}, sharded {spec}) has its layer axis (dimension 0) "
-            f"sharded over {axes}. `fold` and `scan` slice one layer at a time out of the stack "
-            "and need its layer axis replicated (shard within each layer instead: each layer is "
-            "gathered just before it runs). Reshard the stack first, for this leaf "
+            f"{stack_leaf_name(path)} ({leaf_struct(leaf)}, sharded {spec}) has its layer axis "
+            f"(dimension 0) sharded over {axes}. `fold` and `scan` slice one layer at a time "
+            "out of the stack and need its layer axis replicated (shard within each layer "
+            "instead: each layer is gathered just before it runs). Reshard the stack first, for "
+            "this leaf "
             f"`jax.device_put(leaf, NamedSharding(mesh, {replicated}))` "
             f"(inside `jax.jit`: `jax.sharding.reshard(leaf, {replicated})`), or restore or "
             "load it that way: a target whose specs start with None, or `load_stacked` "
@@ -111,7 +61,7 @@ def checked_stack(stacked: Any, num_layers: int | None) -> tuple[Any, Any, int]:
     check_num_layers(num_layers)
     check_stacked(stacked)
     dynamic, static = eqx.partition(stacked, eqx.is_array)
-    length = stack_length(dynamic, num_layers)
+    length = num_layers_of_stack(dynamic, num_layers)
     check_layer_axis_replicated(dynamic)
     return dynamic, static, length
 

@@ -529,6 +529,11 @@ def test_unstack_rejects_ragged_leading_axes():
         eqx_lean.unstack({"a": jnp.zeros((3, 2)), "b": jnp.zeros((4, 2))})
     with pytest.raises(ValueError, match="no array leaves"):
         eqx_lean.unstack({"a": 1.0})
+    # The leaves are named, as `fold` and `scan` name them (one check serves all).
+    with pytest.raises(ValueError, match=r"`stacked\['a'\]` is float32\[3, 2\] and `stacked"):
+        eqx_lean.unstack({"a": jnp.zeros((3, 2)), "b": jnp.zeros((4, 2))})
+    with pytest.raises(ValueError, match=r"`stacked\['b'\]` is a 0-d array \(float32\[\]\)"):
+        eqx_lean.layer_at({"a": jnp.zeros((3, 2)), "b": jnp.zeros((), jnp.float32)}, 0)
 
 
 # --- peak memory ------------------------------------------------------------------------------

@@ -83,18 +83,57 @@ def num_layers_of_keys(keys: Any) -> int:
     return keys.shape[0]
 
 
-def num_layers_of_stack(dynamic: Any) -> int:
-    """The length of the leading layer axis shared by every array leaf of `dynamic`."""
-    leaves = jax.tree.leaves(dynamic)
-    if not leaves:
+def leaf_struct(leaf: Any) -> str:
+    return f"{jnp.result_type(leaf)}{list(jnp.shape(leaf))}"
+
+
+def stack_leaf_name(path: Any) -> str:
+    return f"`stacked{jax.tree_util.keystr(path)}`"
+
+
+def _scalar_leaf(path: Any, leaf: Any) -> ValueError:
+    weak = bool(getattr(jax.typeof(leaf), "weak_type", False))
+    typed = ", weakly typed" if weak else ""
+    found = f"{stack_leaf_name(path)} is a 0-d array ({leaf_struct(leaf)}{typed})"
+    return ValueError(
+        f"Every array leaf of `stacked` must carry the leading layer axis, but {found}. A "
+        "Python number field of a module (such as `alpha: float`) becomes one where `jax.grad`, "
+        "`jax.jit` or `jax.vmap` trace the module. Mark the field static "
+        "(`eqx.field(static=True)`), or transform with `eqx.filter_grad` / `eqx.filter_jit`, "
+        "which leave non-arrays alone; to give each layer its own value, make it an array "
+        "with the layer axis (shape `(L,)`)."
+    )
+
+
+def num_layers_of_stack(dynamic: Any, num_layers: int | None = None) -> int:
+    """The length `L` of the leading layer axis shared by every array leaf of `dynamic` (the
+    array part of `stacked`), after checking that every leaf carries it, of length
+    `num_layers` where given; an error names the leaf that does not."""
+    path_leaves = jax.tree_util.tree_flatten_with_path(dynamic)[0]
+    if not path_leaves:
         raise ValueError("`stacked` has no array leaves, so it has no layer axis.")
-    lengths = {np.shape(x)[0] if np.ndim(x) else None for x in leaves}
-    (length,) = lengths if len(lengths) == 1 else (None,)
-    if length is None:
-        raise ValueError(
-            "`stacked` must have one leading layer axis of the same length on every array leaf; "
-            f"found leading axes {sorted(str(n) for n in lengths)}."
-        )
+    for path, leaf in path_leaves:
+        if np.ndim(leaf) == 0:
+            raise _scalar_leaf(path, leaf)
+    if num_layers is not None:
+        for path, leaf in path_leaves:
+            if jnp.shape(leaf)[0] != num_layers:
+                raise ValueError(
+                    f"`num_layers={num_layers}`: every array leaf of `stacked` must have a "
+                    f"leading layer axis of length {num_layers}, but {stack_leaf_name(path)} is "
+                    f"{leaf_struct(leaf)}. Is `stacked` one layer rather than a stack of them? "
+                    "Stack layers with `eqx_lean.build_stacked` or `eqx_lean.stack`."
+                )
+        return num_layers
+    first_path, first = path_leaves[0]
+    length = jnp.shape(first)[0]
+    for path, leaf in path_leaves[1:]:
+        if jnp.shape(leaf)[0] != length:
+            raise ValueError(
+                "`stacked` must have one leading layer axis of the same length on every array "
+                f"leaf, but {stack_leaf_name(first_path)} is {leaf_struct(first)} and "
+                f"{stack_leaf_name(path)} is {leaf_struct(leaf)}."
+            )
     return length
 
 
