@@ -31,6 +31,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from .owned import describe_kind, is_plain_name
 from .safetensors import (
     INDEX_FILE,
     PICKLE_SUFFIXES,
@@ -183,7 +184,7 @@ def _check_extra_names(files: Any) -> tuple[str, ...]:
         )
     names = tuple(files)
     for name in names:
-        if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\0" in name:
+        if not isinstance(name, str) or not is_plain_name(name):
             raise ValueError(
                 "`files` must name files in the checkpoint's directory (plain names, no "
                 f"directories), such as 'config.json'; got {name!r}."
@@ -227,7 +228,7 @@ class _Opener:
             os.close(fd)
             raise ValueError(
                 f"{what} {path} must be a regular file (or a link to one), but it is "
-                f"{_kind_of(kind)}."
+                f"{describe_kind(kind)}."
             )
         return fd
 
@@ -355,19 +356,6 @@ class _Opener:
         fds, self.fds = self.fds, {}
         for fd in fds.values():
             os.close(fd)
-
-
-def _kind_of(mode: int) -> str:
-    for test, kind in [
-        (stat.S_ISDIR, "a directory"),
-        (stat.S_ISFIFO, "a FIFO"),
-        (stat.S_ISSOCK, "a socket"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-    ]:
-        if test(mode):
-            return kind
-    return "not a regular file"
 
 
 def _too_many_files(request: _Request, held: int) -> OSError:
