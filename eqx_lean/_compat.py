@@ -9,6 +9,7 @@ tests) forces every fallback.
 
 import contextlib
 import functools
+import importlib
 import inspect
 import os
 from collections.abc import Callable, Iterator, Sequence
@@ -38,6 +39,44 @@ def without_private_jax() -> Iterator[None]:
         yield
     finally:
         _forced_off = before
+
+
+# --- shard_alike --------------------------------------------------------------------------------
+
+# Where JAX releases have kept `shard_alike` (public but experimental: JAX 0.10 has it in
+# `jax.experimental.shard_alike`; JAX 0.11.2, as installed on the GPU machine of 2026-11-25,
+# does not, and `import eqx_lean` failed there).
+_SHARD_ALIKE_HOMES = ("jax.experimental.shard_alike", "jax.sharding", "jax.lax", "jax")
+
+
+@functools.cache
+def _find_shard_alike() -> Callable[[Any, Any], tuple[Any, Any]] | None:
+    for module in _SHARD_ALIKE_HOMES:
+        try:
+            found = getattr(importlib.import_module(module), "shard_alike", None)
+        except ImportError:
+            continue
+        if found is not None:
+            return found
+    return None
+
+
+def shard_alike(x: Any, y: Any) -> tuple[Any, Any]:
+    """JAX's `shard_alike(x, y)`: `(x, y)`, with the partitioner told to shard them alike.
+
+    On a single device there is nothing to tie and `(x, y)` is returned as they are; on several
+    devices a JAX without `shard_alike` is an error (it cannot be emulated: the sharding it
+    ties is known only to the compiler).
+    """
+    found = _find_shard_alike()
+    if found is not None:
+        return found(x, y)
+    if jax.device_count() == 1:
+        return x, y
+    raise NotImplementedError(
+        f"eqx_lean needs `shard_alike` to place a sharded stack's gradient, and JAX "
+        f"{jax.__version__} has none in {', '.join(_SHARD_ALIKE_HOMES)}; use JAX 0.10."
+    )
 
 
 # --- lowering-rule overrides ------------------------------------------------------------------

@@ -14,11 +14,11 @@ from typing import Any, TypeAlias
 import jax
 from jax import lax
 from jax.core import Tracer
-from jax.experimental.shard_alike import shard_alike
 from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
 # The package's one sharding resolver: `build_stacked(sharding=...)` means the same.
 from . import _platform
+from ._compat import shard_alike
 from ._core import ShardingPolicy, has_explicit_axes, resolve_shardings
 from ._remat import checkpointed
 

@@ -26,11 +26,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
-from jax.experimental.shard_alike import shard_alike
 from jaxtyping import Array
 
 from . import _platform
-from ._compat import linear_call_with_transpose
+from ._compat import linear_call_with_transpose, shard_alike
 from ._remat import LayerPolicy, checkpointed
 
 

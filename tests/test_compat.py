@@ -122,6 +122,30 @@ def test_a_jax_without_the_lowering_hook_takes_the_fallback(monkeypatch, tmp_pat
         eqx_lean.clear_caches()
 
 
+def test_shard_alike_is_found_where_this_jax_keeps_it():
+    from jax.experimental.shard_alike import shard_alike
+
+    _compat._find_shard_alike.cache_clear()
+    assert _compat._find_shard_alike() is shard_alike
+
+
+def test_a_jax_without_shard_alike_runs_on_one_device_and_says_so_on_several(monkeypatch):
+    # JAX 0.11.2 (seen on a lent GPU machine) has no `jax.experimental.shard_alike`; a single
+    # device needs nothing tied, several cannot do without it.
+    x, y = jnp.arange(3.0), jnp.zeros(3)
+    monkeypatch.setattr(_compat, "_SHARD_ALIKE_HOMES", ("no_such_module_here", "jax.numpy"))
+    _compat._find_shard_alike.cache_clear()
+    try:
+        assert _compat._find_shard_alike() is None
+        tied_x, tied_y = _compat.shard_alike(x, y)
+        assert tied_x is x and tied_y is y
+        monkeypatch.setattr(jax, "device_count", lambda: 8)
+        with pytest.raises(NotImplementedError, match="needs `shard_alike`.*use JAX 0.10"):
+            _compat.shard_alike(x, y)
+    finally:
+        _compat._find_shard_alike.cache_clear()
+
+
 @pytest.mark.parametrize("value", ["1", "0"])
 def test_the_environment_variable_forces_the_fallbacks(value):
     code = textwrap.dedent(
