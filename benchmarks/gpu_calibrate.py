@@ -185,9 +185,9 @@ def case_lora(preset: str, spec: str, steps: int = 5) -> dict[str, Any]:
     import jax.numpy as jnp
 
     sys.path.insert(0, str(_REPO))
-    from examples.mistral7b import MistralConfig, init
-    from examples.mistral7b.finetune import make_lora_step
-    from examples.mistral7b.lora import TARGETS, LoraConfig, add_lora, lora_filter
+    from eqx_lean.hf import MistralConfig, init
+    from eqx_lean.hf._finetune import make_lora_step
+    from eqx_lean.lora._lora import TARGETS, LoraConfig, add_lora, lora_filter
     from examples.mistral7b.train import adamw
 
     batch, seq = _shape(spec)
@@ -246,7 +246,7 @@ def case_torch_peft(preset: str, spec: str, steps: int = 5) -> dict[str, Any]:
 
     batch, seq = _shape(spec)
     sys.path.insert(0, str(_REPO))
-    from examples.mistral7b import MistralConfig
+    from eqx_lean.hf import MistralConfig
 
     ours = MistralConfig.preset(preset)
     config = transformers.MistralConfig(**ours.to_hf())

@@ -98,7 +98,7 @@ def proc_status(pid: int | str = "self") -> dict[str, int]:
 def mistral_config(size: str):
     if str(REPO) not in sys.path:
         sys.path.append(str(REPO))  # after PYTHONPATH, which `--code` sets in the children
-    from examples.mistral7b import MistralConfig
+    from eqx_lean.hf import MistralConfig
 
     return MistralConfig(**SIZES[size], dtype="bfloat16")
 
@@ -215,7 +215,7 @@ def load_with(method: str, directory: Path, devices: int, writes: str):
     files = sorted(directory.glob("*.safetensors"))
     if method == "eqx_lean":
         import eqx_lean
-        from examples.mistral7b import load_hf
+        from eqx_lean.hf import load_hf
 
         if writes == "compiled":
             from eqx_lean._core import chunks
@@ -277,7 +277,7 @@ def child_load(directory: Path, method: str, size: str, devices: int, writes: st
     import safetensors.flax  # noqa: F401  (imported by every method, so every idle has it)
 
     import eqx_lean  # noqa: F401
-    from examples.mistral7b import load_hf  # noqa: F401
+    from eqx_lean.hf import load_hf  # noqa: F401
 
     config = mistral_config(size)
     jax.devices()

@@ -7,6 +7,7 @@ from ._build import (
     layer_at as layer_at,
     stack as stack,
     unstack as unstack,
+    write_layer as write_layer,
 )
 from ._core import clear_caches as clear_caches, fsdp as fsdp
 from ._io import (

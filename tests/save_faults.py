@@ -33,7 +33,7 @@ from eqx_lean._io import fs
 def save(spec: dict, model, world: str) -> None:
     target = os.path.join(world, spec["target"])
     if spec["kind"] == "hf":
-        from examples.mistral7b import save_hf
+        from eqx_lean.hf import save_hf
 
         save_hf(model, target, **spec["save"])
     else:

@@ -414,7 +414,7 @@ def test_estimate_and_measure_are_shown_in_separate_processes_caveat_first():
 
 
 def test_mistral_readme_has_a_tiny_path_and_explains_a_shallow_build_s_ratio():
-    from examples.mistral7b import MistralConfig
+    from eqx_lean.hf import MistralConfig
     from examples.mistral7b.train import small_config
 
     assert MistralConfig.preset("tiny") == MistralConfig.tiny() == small_config()

@@ -103,7 +103,7 @@ def test_a_substring_rule_misses_gpt2_names_where_the_type_rule_does_not():
 
 
 def test_subclasses_match_and_the_example_rmsnorm_is_matched_by_its_own_class():
-    from examples.mistral7b.model import RMSNorm, make_block as make_mistral_block
+    from eqx_lean.hf._model import RMSNorm, make_block as make_mistral_block
     from examples.mistral7b.train import small_config
 
     config = small_config()
@@ -184,12 +184,12 @@ def test_a_type_rule_that_matches_no_module_is_an_error():
 
 
 def test_a_class_of_the_same_name_from_elsewhere_is_named_in_the_error():
-    from examples.mistral7b.model import make_block as make_mistral_block
+    from eqx_lean.hf._model import make_block as make_mistral_block
     from examples.mistral7b.train import small_config
 
     config = small_config()
     rule = eqx_lean.dtypes.for_modules(eqx.nn.RMSNorm, jnp.float32)
-    with pytest.raises(ValueError, match=r"examples\.mistral7b\.model\.RMSNorm, a different class"):
+    with pytest.raises(ValueError, match=r"eqx_lean\.hf\._model\.RMSNorm, a different class"):
         eqx_lean.memory.describe(lambda k: make_mistral_block(config, key=k), KEYS, rule)
 
 

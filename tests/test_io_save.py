@@ -916,7 +916,7 @@ def test_save_stacked_killed_at_spread_delays(tmp_path):
 
 
 def mistral_config(**overrides):
-    from examples.mistral7b import MistralConfig
+    from eqx_lean.hf import MistralConfig
 
     tiny: dict[str, Any] = dict(
         vocab_size=128,
@@ -933,7 +933,7 @@ def mistral_config(**overrides):
 
 def random_mistral(config, seed: int):
     """A Mistral of random numpy leaves (no JAX computation; `init` would compile for seconds)."""
-    from examples.mistral7b.hf import abstract_model
+    from eqx_lean.hf._checkpoint import abstract_model
 
     rng = np.random.default_rng(seed)
     like = abstract_model(config)
@@ -945,7 +945,7 @@ def random_mistral(config, seed: int):
 def hf_sweep(tmp_path, layout, steps, delay_fractions=(), big=False, load_every=False):
     """Old: 2 float32 layers; new: 3 bfloat16 layers in several shards. A mixture (new weights
     with the old config, or the reverse) would load as the wrong model."""
-    from examples.mistral7b import load_hf, save_hf, to_hf_state_dict
+    from eqx_lean.hf import load_hf, save_hf, to_hf_state_dict
 
     sizes = dict(vocab_size=2048, hidden_size=256, intermediate_size=768) if big else {}
     old_model = random_mistral(mistral_config(**sizes), 0)
@@ -1002,7 +1002,7 @@ def test_save_hf_killed_at_spread_delays(tmp_path, layout):
 def test_save_hf_over_a_hard_linked_copy_leaves_the_original_loading_as_before(tmp_path):
     """The issue's case: `save_hf` into a `cp -al` copy used to rewrite the original's
     `config.json` in place, through the hard link."""
-    from examples.mistral7b import load_hf, save_hf
+    from eqx_lean.hf import load_hf, save_hf
 
     old_model = random_mistral(mistral_config(), 0)
     new_model = random_mistral(mistral_config(num_hidden_layers=3, dtype="bfloat16"), 1)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import examples.mistral7b.train as train_module
-from examples.mistral7b import (
+from eqx_lean.hf import (
     KVCache,
     MistralConfig,
     decode_step,
@@ -21,7 +21,7 @@ from examples.mistral7b import (
     save_hf,
     to_hf_state_dict,
 )
-from examples.mistral7b.model import linear_product
+from eqx_lean.hf._model import linear_product
 
 
 torch = pytest.importorskip("torch")

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from examples.mistral7b.data import (
+from eqx_lean.hf._data import (
     ByteTokenizer,
     HFTokenizer,
     batches,

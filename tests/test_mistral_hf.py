@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
-from examples.mistral7b import MistralConfig, init, load_hf, save_hf
-from examples.mistral7b.hf import abstract_model
+from eqx_lean.hf import MistralConfig, init, load_hf, save_hf
+from eqx_lean.hf._checkpoint import abstract_model
 
 
 TINY: dict[str, Any] = dict(

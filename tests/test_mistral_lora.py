@@ -20,10 +20,11 @@ from safetensors import safe_open
 from test_mistral import CONFIGS, hf_logits, hf_model, max_diff, tokens
 
 import examples.mistral7b.train as train_module
-from examples.mistral7b import MistralConfig, generate, init, load_hf
-from examples.mistral7b.finetune import make_lora_step, step_memory
-from examples.mistral7b.hf import abstract_model, write_layer
-from examples.mistral7b.lora import (
+from eqx_lean._core.writes import _write_slice_donated
+from eqx_lean.hf import MistralConfig, generate, init, load_hf
+from eqx_lean.hf._checkpoint import abstract_model
+from eqx_lean.hf._finetune import make_lora_step, step_memory
+from eqx_lean.lora._lora import (
     TARGETS,
     LoraConfig,
     LoraLinear,
@@ -32,7 +33,7 @@ from examples.mistral7b.lora import (
     lora_filter,
     merge_lora,
 )
-from examples.mistral7b.peft_format import from_peft, load_adapters, save_adapters, to_peft
+from eqx_lean.lora._peft import from_peft, load_adapters, save_adapters, to_peft
 
 
 torch = pytest.importorskip("torch")
@@ -411,7 +412,7 @@ def test_merged_checkpoint_gives_peft_logits_in_transformers(name, targets, rslo
     wrapped.save_pretrained(tmp_path / "peft")
     input_ids = tokens(8, batch=2, seq=16)
     expected = hf_logits(wrapped, input_ids)
-    from examples.mistral7b import save_hf
+    from eqx_lean.hf import save_hf
 
     model = load_adapters(load_hf(base, dtype=jnp.float32), tmp_path / "peft")
     save_hf(merge_lora(model), tmp_path / "merged")
@@ -433,9 +434,12 @@ def test_merge_writes_each_layer_in_place():
     b = jax.ShapeDtypeStruct((layers, out_features, r), jnp.float32)
     index = jax.ShapeDtypeStruct((), jnp.int32)
     scale = jax.ShapeDtypeStruct((), jnp.float32)
-    read = _merged_layer.lower(weight, a, b, scale, index).compile().memory_analysis()
+    read = (
+        _merged_layer.lower(weight, a, b, scale, index, bit_reads=True).compile().memory_analysis()
+    )
     layer = jax.ShapeDtypeStruct((out_features, in_features), jnp.bfloat16)
-    write = write_layer.lower(weight, layer, index).compile().memory_analysis()
+    write = _write_slice_donated.lower(weight, layer, index, bit_writes=True)
+    write = write.compile().memory_analysis()
     assert read is not None and write is not None
     layer_f32 = out_features * in_features * 4
     assert read.temp_size_in_bytes <= 1.1 * layer_f32

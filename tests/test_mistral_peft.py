@@ -18,16 +18,16 @@ import pytest
 from test_mistral import TINY, forward, hf_logits, hf_model, max_diff, tokens
 from test_mistral_lora import fresh_hf
 
-from examples.mistral7b import MistralConfig, load_hf, save_hf
-from examples.mistral7b.hf import abstract_model
-from examples.mistral7b.lora import TARGETS, LoraConfig, add_lora
-from examples.mistral7b.peft_fields import FIELDS
-from examples.mistral7b.peft_format import (
+from eqx_lean.hf import MistralConfig, load_hf, save_hf
+from eqx_lean.hf._checkpoint import abstract_model
+from eqx_lean.lora._lora import TARGETS, LoraConfig, add_lora
+from eqx_lean.lora._peft import (
     from_peft,
     load_adapters,
     parse_adapter_config,
     to_peft,
 )
+from eqx_lean.lora._peft_fields import FIELDS
 
 
 torch = pytest.importorskip("torch")

@@ -1,28 +1,12 @@
-"""Mistral-7B built lean with eqx_lean: model, HF conversion, generation, training, LoRA.
+"""Mistral-7B built lean with eqx_lean: the command line and notebooks over `eqx_lean.hf` and
+`eqx_lean.lora`, where the model, HF conversion, generation, training and LoRA live.
 
 Run from the repository root, e.g. `python -m examples.mistral7b --help`.
 """
 
-from .config import MistralConfig as MistralConfig
-from .generate import decode_step as decode_step, generate as generate, sample as sample
-from .hf import (
-    from_hf_state_dict as from_hf_state_dict,
+from eqx_lean.hf import (
+    MistralConfig as MistralConfig,
     load_hf as load_hf,
     save_hf as save_hf,
-    to_hf_state_dict as to_hf_state_dict,
 )
-from .lora import (
-    LoraConfig as LoraConfig,
-    LoraLinear as LoraLinear,
-    add_lora as add_lora,
-    lora_filter as lora_filter,
-    merge_lora as merge_lora,
-)
-from .model import (
-    DecoderBlock as DecoderBlock,
-    KVCache as KVCache,
-    Mistral as Mistral,
-    init as init,
-    make_block as make_block,
-)
-from .peft_format import load_adapters as load_adapters, save_adapters as save_adapters
+from eqx_lean.lora import load_adapters as load_adapters, save_adapters as save_adapters

@@ -68,7 +68,7 @@ class _AnonymousPeak(threading.Thread):
 
 
 def _forward_and_decode(model: Any) -> None:
-    from . import generate
+    from eqx_lean.hf import generate
 
     prompt = jnp.asarray(np.arange(1, 9, dtype=np.int32)[None])
     start = time.perf_counter()
@@ -111,7 +111,7 @@ def _run_and_save(model: Any, sampler: "_AnonymousPeak", save: str) -> None:
 
 
 def _save_with_report(model: Any, path: str) -> None:
-    from . import save_hf
+    from eqx_lean.hf import save_hf
 
     sampler = _AnonymousPeak()
     sampler.start()
@@ -125,7 +125,7 @@ def _save_with_report(model: Any, path: str) -> None:
 
 
 def build(args: argparse.Namespace) -> None:
-    from . import MistralConfig, init
+    from eqx_lean.hf import MistralConfig, init
 
     config = MistralConfig.preset(args.preset)
     if args.layers:
@@ -149,7 +149,7 @@ def build(args: argparse.Namespace) -> None:
 
 
 def load_command(args: argparse.Namespace) -> None:
-    from . import load_hf
+    from eqx_lean.hf import load_hf
 
     jax.devices()
     idle_anon = _status_kib("RssAnon")
@@ -166,7 +166,7 @@ def load_command(args: argparse.Namespace) -> None:
 
 
 def generate_command(args: argparse.Namespace) -> None:
-    from . import generate, load_hf
+    from eqx_lean.hf import generate, load_hf
 
     model = load_hf(args.checkpoint, dtype=args.dtype)
     tokenizer = None
@@ -174,7 +174,7 @@ def generate_command(args: argparse.Namespace) -> None:
     if args.ids:
         ids = [int(t) for t in args.ids.split(",")]
     elif os.path.exists(tokenizer_path):
-        from .data import HFTokenizer
+        from eqx_lean.hf import HFTokenizer
 
         tokenizer = HFTokenizer(tokenizer_path)
         ids = tokenizer.encode(args.prompt)
@@ -203,11 +203,8 @@ def train_command(args: argparse.Namespace) -> None:
 
 
 def finetune_command(args: argparse.Namespace) -> None:
-    from . import load_hf
-    from .data import load_rows
-    from .finetune import FinetuneSettings, finetune
-    from .lora import LoraConfig
-    from .peft_format import save_adapters
+    from eqx_lean.hf import FinetuneSettings, finetune, load_hf, load_rows
+    from eqx_lean.lora import LoraConfig, save_adapters
 
     lora_config = LoraConfig(
         r=args.rank,
@@ -255,9 +252,8 @@ _TOKENIZER_FILES = (
 
 
 def merge_command(args: argparse.Namespace) -> None:
-    from . import load_hf, save_hf
-    from .lora import merge_lora
-    from .peft_format import load_adapters
+    from eqx_lean.hf import load_hf, save_hf
+    from eqx_lean.lora import load_adapters, merge_lora
 
     # The base's weights, config and tokenizer files are read from one checkpoint opened whole
     # (a save replacing it meanwhile cannot mix two), and the tokenizer files go into the same
@@ -274,9 +270,8 @@ def merge_command(args: argparse.Namespace) -> None:
 
 
 def lora_memory_command(args: argparse.Namespace) -> None:
-    from . import MistralConfig
-    from .finetune import step_memory
-    from .lora import LoraConfig
+    from eqx_lean.hf import MistralConfig, step_memory
+    from eqx_lean.lora import LoraConfig
 
     config = dataclasses.replace(
         MistralConfig.preset(args.preset), num_hidden_layers=args.layers, dtype=args.dtype

@@ -12,6 +12,7 @@ adapters in Hugging Face PEFT's format.
 """
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -24,8 +25,9 @@ from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
 import eqx_lean
 
-from .hf import as_bits, write_layer
-from .model import DecoderBlock, Mistral, linear_product
+from .. import _platform
+from .._core import as_bits
+from ..hf._model import DecoderBlock, Mistral, linear_product
 
 
 # PEFT's module name -> (its path inside a layer, the projection in a `DecoderBlock`).
@@ -239,19 +241,23 @@ def lora_filter(model: Mistral) -> PyTree[bool]:
     return spec
 
 
-@jax.jit
+@functools.partial(jax.jit, static_argnames="bit_reads")
 def _merged_layer(
     weight: Float[Array, "layers out in"],
     lora_a: Float[Array, "layers r in"],
     lora_b: Float[Array, "layers out r"],
     scale: Float[Array, ""],
     index: Array,
+    bit_reads: bool,
 ) -> Float[Array, "out in"]:
     """Layer `index` of `weight + scale * B A`, computed in float32, in `weight`'s dtype."""
-    # Read as unsigned bits of the same width: XLA:CPU slices bfloat16 through float32, which
-    # would convert the whole stack first.
-    w_bits = lax.dynamic_index_in_dim(as_bits(weight), index, keepdims=False)
-    w = lax.bitcast_convert_type(w_bits, weight.dtype).astype(jnp.float32)
+    if bit_reads:
+        # Read as unsigned bits of the same width: XLA:CPU slices bfloat16 through float32,
+        # which would convert the whole stack first.
+        w_bits = lax.dynamic_index_in_dim(as_bits(weight), index, keepdims=False)
+        w = lax.bitcast_convert_type(w_bits, weight.dtype).astype(jnp.float32)
+    else:
+        w = lax.dynamic_index_in_dim(weight, index, keepdims=False).astype(jnp.float32)
     a = lax.dynamic_index_in_dim(lora_a, index, keepdims=False).astype(jnp.float32)
     b = lax.dynamic_index_in_dim(lora_b, index, keepdims=False).astype(jnp.float32)
     delta = jnp.matmul(b, a, precision=lax.Precision.HIGHEST) * scale
@@ -281,10 +287,13 @@ def merge_lora(model: Mistral, *, donate: bool = False) -> Mistral:
     for target, layer in _lora_layers(model).items():
         weight = layer.base.weight if donate else jnp.copy(layer.base.weight)
         scale = jnp.asarray(layer.config.scale, jnp.float32)
+        platform = _platform.platform_of([weight.sharding])
+        bit_reads = _platform.Tricks.for_platform(platform).bit_writes
         for i in range(weight.shape[0]):
-            index = jnp.int32(i)
-            merged_layer = _merged_layer(weight, layer.lora_A, layer.lora_B, scale, index)
-            weight = write_layer(weight, merged_layer, index)
+            merged_layer = _merged_layer(
+                weight, layer.lora_A, layer.lora_B, scale, jnp.int32(i), bit_reads=bit_reads
+            )
+            weight = eqx_lean.write_layer(weight, merged_layer, i)
         where = TARGETS[target][1]
         merged = eqx.tree_at(lambda m: m.weight, layer.base, weight)
         model = eqx.tree_at(lambda m, where=where: where(m.layers), model, merged)

@@ -18,11 +18,11 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array
 
-from .config import MistralConfig
-from .data import batches
-from .lora import LoraConfig, add_lora, lora_filter
-from .model import Mistral, init
-from .train import _import_optax, adamw, next_token_loss
+from ..lora._lora import LoraConfig, add_lora, lora_filter
+from ._config import MistralConfig
+from ._data import batches
+from ._model import Mistral, init
+from ._train import _import_optax, adamw, next_token_loss
 
 
 def make_lora_step(optimizer: Any, *, remat: bool = True) -> jax.stages.Wrapped:
@@ -103,7 +103,7 @@ def finetune(
         except ImportError as e:
             raise ImportError(
                 "The progress bar needs tqdm: from the root of the eqx_lean checkout, "
-                '`pip install ".[mistral]"`, or `pip install tqdm`.'
+                '`pip install ".[hf]"`, or `pip install tqdm`.'
             ) from e
 
         steps = tqdm(steps, desc="finetune", unit="step")

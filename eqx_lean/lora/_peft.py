@@ -25,8 +25,9 @@ import jax.numpy as jnp
 
 import eqx_lean
 
-from .hf import stored_layers
-from .lora import (
+from ..hf._checkpoint import stored_layers
+from ..hf._model import Mistral
+from ._lora import (
     TARGETS,
     LoraConfig,
     apply_adapters,
@@ -35,8 +36,7 @@ from .lora import (
     lora_filter,
     target_name,
 )
-from .model import Mistral
-from .peft_fields import FIELDS, check_fields, field_error
+from ._peft_fields import FIELDS, check_fields, field_error
 
 
 _PEFT_PREFIX = "base_model.model.model.layers.{i}."

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from .model import KVCache, Mistral
+from ._model import KVCache, Mistral
 
 
 def sample(

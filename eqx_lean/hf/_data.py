@@ -40,7 +40,7 @@ class HFTokenizer:
         except ImportError as e:
             raise ImportError(
                 "Reading tokenizer.json needs the `tokenizers` package: from the root of the "
-                'eqx_lean checkout, `pip install ".[mistral]"`, or `pip install tokenizers`.'
+                'eqx_lean checkout, `pip install ".[hf]"`, or `pip install tokenizers`.'
             ) from e
         self._tokenizer = _Tokenizer.from_file(os.fspath(path))
 

@@ -18,7 +18,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 import eqx_lean
 
-from .config import MistralConfig
+from ._config import MistralConfig
 
 
 def _accumulated_product(x: Array, weight: Array) -> Array:

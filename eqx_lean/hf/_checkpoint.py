@@ -10,13 +10,12 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jaxtyping import Array
 
 import eqx_lean
 
-from .config import MistralConfig
-from .model import (
+from ._config import MistralConfig
+from ._model import (
     DecoderBlock,
     Mistral,
     RMSNorm,
@@ -52,21 +51,6 @@ def _hf_names(config: MistralConfig) -> list[str]:
     return [_EMBED, *layers, _NORM, _HEAD]
 
 
-def as_bits(x: Array) -> Array:
-    """`x`'s bits as unsigned integers of the same width (a free bitcast)."""
-    return lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
-
-
-@functools.partial(jax.jit, donate_argnums=0)
-def write_layer(buffer: Array, value: Array, index: Array) -> Array:
-    """`buffer` with layer `index` set to `value` (cast), in place (donated). A program of its
-    own: XLA cannot update a buffer in place in a program that also reads it elsewhere. Moved
-    as unsigned bits: XLA:CPU updates bfloat16 in place several times slower than `uint16`."""
-    value = value.astype(buffer.dtype)
-    updated = lax.dynamic_update_index_in_dim(as_bits(buffer), as_bits(value), index, 0)
-    return lax.bitcast_convert_type(updated, buffer.dtype)
-
-
 def _checked(name: str, value: np.ndarray, expected: tuple[int, ...]) -> np.ndarray:
     if tuple(value.shape) != tuple(expected):
         raise ValueError(
@@ -93,7 +77,7 @@ def _assemble(
         for i in range(config.num_hidden_layers):
             full_name = _layer_name(i, name)
             value = _checked(full_name, get_tensor(full_name), buffer.shape[1:])
-            buffer = write_layer(buffer, value, jnp.int32(i))
+            buffer = eqx_lean.write_layer(buffer, value, i)
         layers = eqx.tree_at(where, layers, buffer)
 
     def load(name: str, shape: tuple[int, ...]) -> Array:
@@ -353,7 +337,7 @@ def save_hf(
         copy (such as the base checkpoint's tokenizer files). Not `config.json`, which this
         writes.
     """
-    from .lora import TARGETS, _lora_layers  # here: `lora` imports this module
+    from ..lora._lora import TARGETS, _lora_layers  # here: `lora` imports this module
 
     adapted = [TARGETS[target][0] for target in _lora_layers(model)]
     if adapted:

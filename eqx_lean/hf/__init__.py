@@ -1,0 +1,35 @@
+"""Hugging Face checkpoints as stacked Equinox models: load, save, generate and fine-tune.
+
+Its dependencies come with the `hf` extra. The decoder families and the config reading live in
+`_config.py` and `_model.py`, the checkpoint conversion in `_checkpoint.py`, LoRA with PEFT's
+format in `eqx_lean.lora`.
+"""
+
+from ._checkpoint import (
+    abstract_model as abstract_model,
+    from_hf_state_dict as from_hf_state_dict,
+    load_hf as load_hf,
+    save_hf as save_hf,
+    to_hf_state_dict as to_hf_state_dict,
+)
+from ._config import MistralConfig as MistralConfig
+from ._data import HFTokenizer as HFTokenizer, load_rows as load_rows
+from ._finetune import (
+    FinetuneSettings as FinetuneSettings,
+    finetune as finetune,
+    make_lora_step as make_lora_step,
+    step_memory as step_memory,
+)
+from ._generate import decode_step as decode_step, generate as generate, sample as sample
+from ._model import (
+    DecoderBlock as DecoderBlock,
+    KVCache as KVCache,
+    Mistral as Mistral,
+    init as init,
+    make_block as make_block,
+)
+from ._train import (
+    adamw as adamw,
+    make_train_step as make_train_step,
+    next_token_loss as next_token_loss,
+)
