@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import examples.mistral7b.train as train_module
+from eqx_lean._product import linear_product
 from eqx_lean.hf import (
     KVCache,
     MistralConfig,
@@ -21,7 +22,6 @@ from eqx_lean.hf import (
     save_hf,
     to_hf_state_dict,
 )
-from eqx_lean.hf._model import linear_product
 
 
 torch = pytest.importorskip("torch")

@@ -27,7 +27,8 @@ import eqx_lean
 
 from .. import _platform
 from .._core import as_bits
-from ..hf._model import DecoderBlock, Mistral, linear_product
+from .._product import linear_product
+from ..hf._model import DecoderBlock, Mistral
 
 
 # PEFT's module name -> (its path inside a layer, the projection in a `DecoderBlock`).

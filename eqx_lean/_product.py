@@ -1,0 +1,55 @@
+"""The matrix product of linear layers, accumulated in float32: shared by the HF decoder and
+LoRA adapters."""
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+
+def _accumulated_product(x: Array, weight: Array) -> Array:
+    out = jnp.einsum("...i,oi->...o", x, weight, preferred_element_type=jnp.float32)
+    return out.astype(x.dtype)
+
+
+@jax.custom_vjp
+def _low_precision_product(x: Array, weight: Array) -> Array:
+    return _accumulated_product(x, weight)
+
+
+def _low_precision_product_fwd(x: Array, weight: Array) -> tuple[Array, tuple[Array, Array]]:
+    return _accumulated_product(x, weight), (x, weight)
+
+
+def _low_precision_product_bwd(
+    residuals: tuple[Array, Array], cotangent: Array
+) -> tuple[Array, Array]:
+    # Autodiff would transpose the float32-result dot into a dot of a float32 cotangent with
+    # the bfloat16 weight, for which XLA:CPU copies the weight to float32 (500 MiB for a
+    # Mistral-7B head). The cotangent of the rounded output is bfloat16 already, so both
+    # products take bfloat16 operands and accumulate in float32, as torch's backward does.
+    x, weight = residuals
+    f32 = jnp.float32
+    dx = jnp.einsum("...o,oi->...i", cotangent, weight, preferred_element_type=f32)
+    dweight = jnp.einsum("...o,...i->oi", cotangent, x, preferred_element_type=f32)
+    return dx.astype(x.dtype), dweight.astype(weight.dtype)
+
+
+_low_precision_product.defvjp(_low_precision_product_fwd, _low_precision_product_bwd)
+
+
+def linear_product(
+    x: Float[Array, "... in"], weight: Float[Array, "out in"]
+) -> Float[Array, "... out"]:
+    """`x @ weight.T` over any leading axes, accumulated in float32 and rounded to `x`'s dtype.
+
+    For bfloat16 operands this is torch's CPU semantics (float32 accumulation, one rounding of
+    the output), and on XLA:CPU it is also what keeps the product lean: a plain bfloat16 dot
+    is lowered by first copying the weight to float32 (16 MiB of temporaries for a 2048 x 2048
+    matrix), whereas a dot asked for a float32 result reads the bfloat16 weight as it is. The
+    gradients of a 16-bit product are computed the same way (a custom VJP), so forward-mode
+    differentiation (`jax.jvp`) of a bfloat16 model is not supported; float32 models take
+    JAX's own derivatives.
+    """
+    if x.dtype == weight.dtype and jnp.finfo(x.dtype).bits < 32:
+        return _low_precision_product(x, weight)
+    return _accumulated_product(x, weight)
