@@ -71,7 +71,9 @@ def _assemble(
         buffer = jnp.zeros(leaf.shape, leaf.dtype)
         for i in range(config.num_hidden_layers):
             name = template.format(i=i)
-            buffer = eqx_lean.write_layer(buffer, _checked(name, get_tensor(name), leaf.shape[1:]), i)
+            buffer = eqx_lean.write_layer(
+                buffer, _checked(name, get_tensor(name), leaf.shape[1:]), i
+            )
         leaves.append(buffer)
     treedef = jax.tree.structure(like)
     return jax.tree.unflatten(treedef, leaves)
@@ -127,7 +129,9 @@ def _hf_sources(model: Mistral) -> list[tuple[str, Array, int | None]]:
     sources.extend((name, leaf, None) for name, leaf in named if name == _EMBED)
     for i in range(model.config.num_hidden_layers):
         sources.extend((name.format(i=i), leaf, i) for name, leaf in named if "{i}" in name)
-    sources.extend((name, leaf, None) for name, leaf in named if "{i}" not in name and name != _EMBED)
+    sources.extend(
+        (name, leaf, None) for name, leaf in named if "{i}" not in name and name != _EMBED
+    )
     return sources
 
 
@@ -241,7 +245,8 @@ def load_hf(
     sharding: Any = None,
     strict: bool = True,
 ) -> Mistral:
-    """Loads a HuggingFace Mistral, Llama or Qwen2 checkpoint directory with [`eqx_lean.load_tensors`][].
+    """Loads a HuggingFace Mistral, Llama or Qwen2 checkpoint directory with
+    [`eqx_lean.load_tensors`][].
 
     Every tensor is copied from a memory map of its file straight into buffers allocated once
     in `dtype`, so the process holds the model plus a few MiB.
@@ -341,7 +346,9 @@ def _with_generation_eos(
     try:
         generation = json.loads(raw.decode("utf-8", errors="replace"))
     except json.JSONDecodeError as e:
-        raise ValueError(f"{where} must hold a JSON object, but it is not valid JSON: {e}") from None
+        raise ValueError(
+            f"{where} must hold a JSON object, but it is not valid JSON: {e}"
+        ) from None
     if not isinstance(generation, dict):
         raise ValueError(f"{where} must hold a JSON object; got a {type(generation).__name__}.")
     eos = generation.get("eos_token_id")

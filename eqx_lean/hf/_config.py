@@ -111,13 +111,18 @@ class MistralConfig:
                 object.__setattr__(self, name, tuple(value))
         if self.layer_types is not None:
             kinds = {"full_attention", "sliding_attention"}
-            if len(self.layer_types) != self.num_hidden_layers or not set(self.layer_types) <= kinds:
+            if (
+                len(self.layer_types) != self.num_hidden_layers
+                or not set(self.layer_types) <= kinds
+            ):
                 raise ValueError(
                     f"`layer_types` must give one of {sorted(kinds)} for each of the "
                     f"{self.num_hidden_layers} layers; got {list(self.layer_types)!r}."
                 )
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, Llama3Rope):
-            raise ValueError(f"`rope_scaling` must be None or a Llama3Rope; got {self.rope_scaling!r}.")
+            raise ValueError(
+                f"`rope_scaling` must be None or a Llama3Rope; got {self.rope_scaling!r}."
+            )
         # What each family's `transformers` model can hold, so that `to_hf` describes the model.
         biases = (self.attention_bias, self.o_proj_bias, self.mlp_bias)
         allowed = {

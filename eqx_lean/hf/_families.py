@@ -103,7 +103,9 @@ def _common(hf: dict[str, Any], family: str) -> dict[str, Any]:
     kwargs["head_dim"] = hf.get("head_dim")
     theta, scaling = read_rope(hf, 10000.0)
     kwargs.update(rope_theta=theta, rope_scaling=scaling, model_type=family)
-    kwargs["eos_token_id"] = _token_ids(hf.get("eos_token_id", defaults["eos_token_id"]), "eos_token_id")
+    kwargs["eos_token_id"] = _token_ids(
+        hf.get("eos_token_id", defaults["eos_token_id"]), "eos_token_id"
+    )
     if "initializer_range" in hf:
         kwargs["initializer_range"] = hf["initializer_range"]
     dtype = hf.get("dtype") or hf.get("torch_dtype")
@@ -203,9 +205,7 @@ def write_family(config: Any) -> dict[str, Any]:
     if family == "mistral":
         hf["sliding_window"] = config.sliding_window
     elif family == "llama":
-        hf.update(
-            attention_bias=config.attention_bias, mlp_bias=config.mlp_bias, pretraining_tp=1
-        )
+        hf.update(attention_bias=config.attention_bias, mlp_bias=config.mlp_bias, pretraining_tp=1)
     else:
         windows = config.layer_windows
         hf.update(

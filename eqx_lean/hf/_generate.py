@@ -4,11 +4,10 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ._model import KVCache, Mistral

@@ -15,13 +15,17 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 import eqx_lean
 
 from .._product import linear_product
 from ._config import MistralConfig
-from ._rope import Llama3Rope, inverse_frequencies
+from ._rope import (
+    apply_rotary,
+    attention_mask as attention_mask,
+    rotary_cos_sin as rotary_cos_sin,
+)
 
 
 def _project(
@@ -56,54 +60,9 @@ class RMSNorm(eqx.Module):
         return weight * normed.astype(x.dtype).astype(out_dtype)
 
 
-def rotary_cos_sin(
-    positions: Int[Array, " seq"],
-    head_dim: int,
-    theta: float,
-    dtype: Any,
-    scaling: Llama3Rope | None = None,
-) -> tuple[Float[Array, "seq head_dim"], Float[Array, "seq head_dim"]]:
-    """The rotary tables for `positions`, in HF's layout: both halves carry the same angles.
-
-    `scaling` is `None` (default frequencies) or Llama 3.1's [`Llama3Rope`][].
-    """
-    inv_freq = jnp.asarray(inverse_frequencies(head_dim, theta, scaling))
-    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
-    angles = jnp.concatenate([angles, angles], axis=-1)
-    return jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
-
-
 def _split_key(key: PRNGKeyArray | None, num: int) -> list[PRNGKeyArray | None]:
     """`num` keys from `key`, or `num` Nones (no randomness: inference)."""
     return [None] * num if key is None else list(jax.random.split(key, num))
-
-
-def _rotate_half(x: Float[Array, "... d"]) -> Float[Array, "... d"]:
-    first, second = jnp.split(x, 2, axis=-1)
-    return jnp.concatenate([-second, first], axis=-1)
-
-
-def _apply_rotary(
-    x: Float[Array, "batch seq heads d"], cos: Float[Array, "seq d"], sin: Float[Array, "seq d"]
-) -> Float[Array, "batch seq heads d"]:
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
-    return x * cos + _rotate_half(x) * sin
-
-
-def attention_mask(
-    query_positions: Int[Array, " q"],
-    key_positions: Int[Array, " k"],
-    sliding_window: int | Int[Array, ""] | None,
-) -> Bool[Array, "q k"]:
-    """Which keys each query sees: causal, within the window, and never an empty slot (< 0).
-
-    `sliding_window` may be traced (one layer's entry of a per-layer window array).
-    """
-    q, k = query_positions[:, None], key_positions[None, :]
-    visible = (k >= 0) & (k <= q)
-    if sliding_window is not None:
-        visible = visible & (q - k < sliding_window)
-    return visible
 
 
 KV = tuple[Float[Array, "batch seq kv_heads head_dim"], Float[Array, "batch seq kv_heads head_dim"]]
@@ -147,7 +106,7 @@ class Attention(eqx.Module):
         q = _project(self.q_proj, x, q_key).reshape(batch, seq, self.num_heads, self.head_dim)
         k = _project(self.k_proj, x, k_key).reshape(batch, seq, self.num_kv_heads, self.head_dim)
         v = _project(self.v_proj, x, v_key).reshape(batch, seq, self.num_kv_heads, self.head_dim)
-        q, k = _apply_rotary(q, cos, sin), _apply_rotary(k, cos, sin)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
         keys, values, key_positions = k, v, positions
         if past is not None:
@@ -271,9 +230,9 @@ class Mistral(eqx.Module):
 
     `layers` is a single [`DecoderBlock`][] whose array leaves carry a leading layer axis (as
     built by [`eqx_lean.build_stacked`][]). `lm_head` is `None` when the config ties the head
-    to the embedding (`tie_word_embeddings`): the embedding matrix is then the head. Call the model on `input_ids` of shape
-    `[batch, seq]` for logits `[batch, seq, vocab]`; use [`Mistral.step`][] with a
-    [`KVCache`][] for incremental decoding.
+    to the embedding (`tie_word_embeddings`): the embedding matrix is then the head. Call the
+    model on `input_ids` of shape `[batch, seq]` for logits `[batch, seq, vocab]`; use
+    [`Mistral.step`][] with a [`KVCache`][] for incremental decoding.
     """
 
     embed_tokens: eqx.nn.Embedding

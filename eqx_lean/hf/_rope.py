@@ -1,4 +1,5 @@
-"""Rotary embeddings as HuggingFace configures them: `default` and `llama3` frequencies.
+"""Rotary embeddings as HuggingFace configures them (`default` and `llama3` frequencies), their
+application in HF's `rotate_half` layout, and the causal (sliding-window) attention mask.
 
 Both config forms are read: transformers ≥ 5's `rope_parameters` dict (with `rope_theta` in it),
 and transformers 4's top-level `rope_theta` beside an optional `rope_scaling` dict (whose kind
@@ -9,8 +10,9 @@ import dataclasses
 import math
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Float
+from jaxtyping import Array, Bool, Float, Int
 
 
 _REFUSED = ("linear", "dynamic", "yarn", "longrope")
@@ -67,7 +69,8 @@ def read_rope(hf: dict[str, Any], default_theta: float) -> tuple[float, Llama3Ro
     partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     if partial != 1.0:
         raise ValueError(
-            f"`partial_rotary_factor` must be 1 (rotary embeddings on the whole head); got {partial!r}."
+            "`partial_rotary_factor` must be 1 (rotary embeddings on the whole head); "
+            f"got {partial!r}."
         )
     kind = rope.get("rope_type", rope.get("type")) or "default"
     if kind == "default":
@@ -127,3 +130,49 @@ def inverse_frequencies(
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
     return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def rotary_cos_sin(
+    positions: Int[Array, " seq"],
+    head_dim: int,
+    theta: float,
+    dtype: Any,
+    scaling: Llama3Rope | None = None,
+) -> tuple[Float[Array, "seq head_dim"], Float[Array, "seq head_dim"]]:
+    """The rotary tables for `positions`, in HF's layout: both halves carry the same angles.
+
+    `scaling` is `None` (default frequencies) or Llama 3.1's [`Llama3Rope`][].
+    """
+    inv_freq = jnp.asarray(inverse_frequencies(head_dim, theta, scaling))
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
+
+
+def _rotate_half(x: Float[Array, "... d"]) -> Float[Array, "... d"]:
+    first, second = jnp.split(x, 2, axis=-1)
+    return jnp.concatenate([-second, first], axis=-1)
+
+
+def apply_rotary(
+    x: Float[Array, "batch seq heads d"], cos: Float[Array, "seq d"], sin: Float[Array, "seq d"]
+) -> Float[Array, "batch seq heads d"]:
+    """Rotates `x` by the angles of `cos` and `sin` (from [`rotary_cos_sin`][])."""
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    return x * cos + _rotate_half(x) * sin
+
+
+def attention_mask(
+    query_positions: Int[Array, " q"],
+    key_positions: Int[Array, " k"],
+    sliding_window: int | Int[Array, ""] | None,
+) -> Bool[Array, "q k"]:
+    """Which keys each query sees: causal, within the window, and never an empty slot (< 0).
+
+    `sliding_window` may be traced (one layer's entry of a per-layer window array).
+    """
+    q, k = query_positions[:, None], key_positions[None, :]
+    visible = (k >= 0) & (k <= q)
+    if sliding_window is not None:
+        visible = visible & (q - k < sliding_window)
+    return visible
