@@ -84,8 +84,8 @@ _FAMILY_NAMES = {"mistral": "Mistral", "llama": "Llama", "qwen2": "Qwen2"}
 
 def _untied_error(where: str) -> ValueError:
     return ValueError(
-        f"{where} ties the head to the embedding (tie_word_embeddings), but its tensors "
-        f"{_HEAD!r} and {_EMBED!r} differ; a tied model has one matrix for both. Set "
+        f"{where} ties the head to the embedding (tie_word_embeddings), but the checkpoint's "
+        f"tensors {_HEAD!r} and {_EMBED!r} differ; a tied model has one matrix for both. Set "
         "`tie_word_embeddings` to false in config.json to load them as two."
     )
 

@@ -32,10 +32,10 @@ class MistralConfig:
     written for. `attention_bias` puts biases on the q, k and v projections, `o_proj_bias` on
     the output projection, `mlp_bias` on the three MLP projections (Llama: `attention_bias`
     means both of the first two; Qwen2: q, k and v only). `rope_scaling` is `None` (default
-    rotary embeddings) or a [`Llama3Rope`][]. With `tie_word_embeddings` the head is the
-    embedding matrix itself. `eos_token_id` is an id or a tuple of ids; `generation_eos_token_id`,
-    when not `None`, is `generation_config.json`'s (which [`generate`][] prefers, as
-    `transformers` does).
+    rotary embeddings) or a `Llama3Rope` (`eqx_lean.hf._rope`). With `tie_word_embeddings` the
+    head is the embedding matrix itself (Llama and Qwen2; Mistral's head is untied). An
+    `eos_token_id` is an id or a tuple of ids; `generation_eos_token_id`, when not `None`, is
+    `generation_config.json`'s (which [`generate`][] prefers, as `transformers` does).
     """
 
     vocab_size: int = 32000

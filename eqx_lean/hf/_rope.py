@@ -110,7 +110,7 @@ def inverse_frequencies(
 
     - `head_dim`: the rotated dimension (even).
     - `theta`: the rotary base.
-    - `scaling`: `None`, or the [`Llama3Rope`][] scaling.
+    - `scaling`: `None`, or the `Llama3Rope` scaling.
 
     **Returns:**
 
@@ -141,7 +141,7 @@ def rotary_cos_sin(
 ) -> tuple[Float[Array, "seq head_dim"], Float[Array, "seq head_dim"]]:
     """The rotary tables for `positions`, in HF's layout: both halves carry the same angles.
 
-    `scaling` is `None` (default frequencies) or Llama 3.1's [`Llama3Rope`][].
+    `scaling` is `None` (default frequencies) or Llama 3.1's `Llama3Rope`.
     """
     inv_freq = jnp.asarray(inverse_frequencies(head_dim, theta, scaling))
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
@@ -157,7 +157,7 @@ def _rotate_half(x: Float[Array, "... d"]) -> Float[Array, "... d"]:
 def apply_rotary(
     x: Float[Array, "batch seq heads d"], cos: Float[Array, "seq d"], sin: Float[Array, "seq d"]
 ) -> Float[Array, "batch seq heads d"]:
-    """Rotates `x` by the angles of `cos` and `sin` (from [`rotary_cos_sin`][])."""
+    """Rotates `x` by the angles of `cos` and `sin` (from `rotary_cos_sin`)."""
     cos, sin = cos[None, :, None, :], sin[None, :, None, :]
     return x * cos + _rotate_half(x) * sin
 
