@@ -1,6 +1,6 @@
 """Conversion between the Equinox model and HuggingFace `transformers` checkpoints."""
 
-import functools
+import dataclasses
 import json
 import os
 from collections.abc import Callable, Mapping
@@ -15,28 +15,9 @@ from jaxtyping import Array
 import eqx_lean
 
 from ._config import MistralConfig
-from ._model import (
-    DecoderBlock,
-    Mistral,
-    RMSNorm,
-    _linear_from_weight,
-    _resolve_dtype,
-    make_block,
-)
+from ._model import DecoderBlock, Mistral, RMSNorm, _linear_from_weight, _resolve_dtype, make_block
 
 
-# HF tensor name inside `model.layers.{i}.` -> the leaf of one `DecoderBlock`.
-_BLOCK_TENSORS: dict[str, Callable[[DecoderBlock], Any]] = {
-    "input_layernorm.weight": lambda b: b.input_layernorm.weight,
-    "self_attn.q_proj.weight": lambda b: b.self_attn.q_proj.weight,
-    "self_attn.k_proj.weight": lambda b: b.self_attn.k_proj.weight,
-    "self_attn.v_proj.weight": lambda b: b.self_attn.v_proj.weight,
-    "self_attn.o_proj.weight": lambda b: b.self_attn.o_proj.weight,
-    "post_attention_layernorm.weight": lambda b: b.post_attention_layernorm.weight,
-    "mlp.gate_proj.weight": lambda b: b.mlp.gate_proj.weight,
-    "mlp.up_proj.weight": lambda b: b.mlp.up_proj.weight,
-    "mlp.down_proj.weight": lambda b: b.mlp.down_proj.weight,
-}
 _EMBED, _NORM, _HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
 
 
@@ -44,11 +25,23 @@ def _layer_name(index: int | str, name: str) -> str:
     return f"model.layers.{index}.{name}"
 
 
-def _hf_names(config: MistralConfig) -> list[str]:
-    layers = [
-        _layer_name(i, name) for i in range(config.num_hidden_layers) for name in _BLOCK_TENSORS
+def _named_leaves(like: Mistral) -> list[tuple[str, Any]]:
+    """Every array leaf of `like` with its HF name (a template with `{i}` for a block leaf)."""
+    return [
+        (_hf_name(path, leaf), leaf)
+        for path, leaf in jax.tree_util.tree_leaves_with_path(like)
+        if isinstance(leaf, jax.ShapeDtypeStruct | jax.Array)
     ]
-    return [_EMBED, *layers, _NORM, _HEAD]
+
+
+def _hf_names(config: MistralConfig) -> list[str]:
+    names = []
+    for template, _ in _named_leaves(abstract_model(config)):
+        if "{i}" in template:
+            names.extend(template.format(i=i) for i in range(config.num_hidden_layers))
+        else:
+            names.append(template)
+    return names
 
 
 def _checked(name: str, value: np.ndarray, expected: tuple[int, ...]) -> np.ndarray:
@@ -65,31 +58,35 @@ def _assemble(
 ) -> Mistral:
     """Builds the model from HF tensors fetched one at a time by name.
 
-    The stacked blocks are preallocated in `dtype` and filled one layer slice at a time with
+    The stacked leaves are preallocated in `dtype` and filled one layer slice at a time with
     a donated in-place write, so at most one source tensor exists beside the model.
     """
-    abstract_block = eqx.filter_eval_shape(
-        functools.partial(make_block, config), key=jax.random.key(0)
-    )
-    layers = eqx_lean.allocate_stacked(abstract_block, config.num_hidden_layers, dtype)
-    for name, where in _BLOCK_TENSORS.items():
-        buffer = where(layers)
+    like = abstract_model(config, dtype)
+    leaves = []
+    for template, leaf in _named_leaves(like):
+        if "{i}" not in template:
+            value = _checked(template, get_tensor(template), leaf.shape)
+            leaves.append(jnp.asarray(value).astype(leaf.dtype))
+            continue
+        buffer = jnp.zeros(leaf.shape, leaf.dtype)
         for i in range(config.num_hidden_layers):
-            full_name = _layer_name(i, name)
-            value = _checked(full_name, get_tensor(full_name), buffer.shape[1:])
-            buffer = eqx_lean.write_layer(buffer, value, i)
-        layers = eqx.tree_at(where, layers, buffer)
+            name = template.format(i=i)
+            buffer = eqx_lean.write_layer(
+                buffer, _checked(name, get_tensor(name), leaf.shape[1:]), i
+            )
+        leaves.append(buffer)
+    treedef = jax.tree.structure(like)
+    return jax.tree.unflatten(treedef, leaves)
 
-    def load(name: str, shape: tuple[int, ...]) -> Array:
-        return jnp.asarray(_checked(name, get_tensor(name), shape)).astype(dtype)
 
-    vocab, hidden = config.vocab_size, config.hidden_size
-    return Mistral(
-        embed_tokens=eqx.nn.Embedding(weight=load(_EMBED, (vocab, hidden))),
-        layers=layers,
-        norm=RMSNorm(load(_NORM, (hidden,)), config.rms_norm_eps),
-        lm_head=_linear_from_weight(load(_HEAD, (vocab, hidden))),
-        config=config,
+_FAMILY_NAMES = {"mistral": "Mistral", "llama": "Llama", "qwen2": "Qwen2"}
+
+
+def _untied_error(where: str) -> ValueError:
+    return ValueError(
+        f"{where} ties the head to the embedding (tie_word_embeddings), but the checkpoint's "
+        f"tensors {_HEAD!r} and {_EMBED!r} differ; a tied model has one matrix for both. Set "
+        "`tie_word_embeddings` to false in config.json to load them as two."
     )
 
 
@@ -111,7 +108,13 @@ def from_hf_state_dict(
     """
     missing = [name for name in _hf_names(config) if name not in state_dict]
     if missing:
-        raise KeyError(f"`state_dict` must hold every Mistral tensor; missing {missing[:5]}.")
+        raise KeyError(
+            f"`state_dict` must hold every {_FAMILY_NAMES[config.model_type]} tensor of "
+            f"`config`; missing {missing[:5]}."
+        )
+    if config.tie_word_embeddings and _HEAD in state_dict:
+        if not np.array_equal(np.asarray(state_dict[_HEAD]), np.asarray(state_dict[_EMBED])):
+            raise _untied_error("`config`")
     dtype = _resolve_dtype(config, dtype)
     return _assemble(lambda name: np.asarray(state_dict[name]), config, dtype)
 
@@ -121,12 +124,14 @@ def _hf_sources(model: Mistral) -> list[tuple[str, Array, int | None]]:
 
     Layer tensors are referenced, not sliced, so that listing them copies nothing.
     """
-    sources: list[tuple[str, Array, int | None]] = [(_EMBED, model.embed_tokens.weight, None)]
+    named = _named_leaves(model)
+    sources: list[tuple[str, Array, int | None]] = []
+    sources.extend((name, leaf, None) for name, leaf in named if name == _EMBED)
     for i in range(model.config.num_hidden_layers):
-        for name, where in _BLOCK_TENSORS.items():
-            sources.append((_layer_name(i, name), where(model.layers), i))
-    sources.append((_NORM, model.norm.weight, None))
-    sources.append((_HEAD, model.lm_head.weight, None))
+        sources.extend((name.format(i=i), leaf, i) for name, leaf in named if "{i}" in name)
+    sources.extend(
+        (name, leaf, None) for name, leaf in named if "{i}" not in name and name != _EMBED
+    )
     return sources
 
 
@@ -153,7 +158,8 @@ def _require_weights(path: str) -> None:
 
 
 def _hf_name(path: Any, leaf: Any) -> str:
-    """The HF tensor name of a leaf of [`Mistral`][]: block leaves share HF's attribute names."""
+    """The HF tensor name of a leaf of [`Mistral`][]: block leaves share HF's attribute names
+    (biases included); a tied model has no `lm_head` leaf."""
     del leaf
     key = jax.tree_util.keystr(path)
     if key.startswith(".layers."):
@@ -184,7 +190,7 @@ def abstract_model(config: MistralConfig, dtype: Any = None) -> Mistral:
             embed_tokens=eqx.nn.Embedding(weight=matrix),
             layers=jax.tree.map(cast, layers),
             norm=RMSNorm(jnp.ones((config.hidden_size,), dtype), config.rms_norm_eps),
-            lm_head=_linear_from_weight(matrix),
+            lm_head=None if config.tie_word_embeddings else _linear_from_weight(matrix),
             config=config,
         )
 
@@ -239,7 +245,8 @@ def load_hf(
     sharding: Any = None,
     strict: bool = True,
 ) -> Mistral:
-    """Loads a HuggingFace Mistral checkpoint directory with [`eqx_lean.load_tensors`][].
+    """Loads a HuggingFace Mistral, Llama or Qwen2 checkpoint directory with
+    [`eqx_lean.load_tensors`][].
 
     Every tensor is copied from a memory map of its file straight into buffers allocated once
     in `dtype`, so the process holds the model plus a few MiB.
@@ -273,7 +280,7 @@ def load_hf(
         return _load_opened(path, path.source, dtype, sharding, strict)
     path = os.fspath(path)
     _require_weights(path)
-    with eqx_lean.open_checkpoint(path, files=["config.json"]) as checkpoint:
+    with eqx_lean.open_checkpoint(path, files=["config.json", _GENERATION]) as checkpoint:
         return _load_opened(checkpoint, path, dtype, sharding, strict)
 
 
@@ -294,12 +301,67 @@ def _load_opened(
             "not exist."
         )
     config = MistralConfig.from_json_bytes(raw, config_file)
-    like = abstract_model(config, _resolve_dtype(config, dtype))
+    config = _with_generation_eos(checkpoint, path, config)
+    dtype = _resolve_dtype(config, dtype)
+    like = abstract_model(config, dtype)
     _check_config(checkpoint, path, config, like, strict)
     layers = None if strict else config.num_hidden_layers
-    return eqx_lean.load_tensors(
-        checkpoint, like, _hf_name, sharding=sharding, layers=layers, strict=strict
+    stored_head = _HEAD in eqx_lean.checkpoint_tensors(checkpoint)
+    if not (config.tie_word_embeddings and stored_head):
+        return eqx_lean.load_tensors(
+            checkpoint, like, _hf_name, sharding=sharding, layers=layers, strict=strict
+        )
+    # A tied checkpoint that stores its head anyway (some writers do): load it beside the
+    # embedding, check that they are one matrix, and keep the embedding alone.
+    untied = dataclasses.replace(config, tie_word_embeddings=False)
+    model = eqx_lean.load_tensors(
+        checkpoint,
+        abstract_model(untied, dtype),
+        _hf_name,
+        sharding=sharding,
+        layers=layers,
+        strict=strict,
     )
+    assert model.lm_head is not None
+    if not bool(jnp.array_equal(model.lm_head.weight, model.embed_tokens.weight)):
+        raise _untied_error(config_file)
+    return Mistral(model.embed_tokens, model.layers, model.norm, None, config)
+
+
+_GENERATION = "generation_config.json"
+
+
+def _with_generation_eos(
+    checkpoint: eqx_lean.Checkpoint, path: str, config: MistralConfig
+) -> MistralConfig:
+    """`config` with `generation_config.json`'s `eos_token_id`, if the checkpoint has that file
+    (as `transformers`, whose `generate` reads the generation config, not `config.json`)."""
+    try:
+        raw = checkpoint.file(_GENERATION)
+    except KeyError:  # opened by the caller without it
+        return config
+    if raw is None:
+        return config
+    where = os.path.join(path, _GENERATION)
+    try:
+        generation = json.loads(raw.decode("utf-8", errors="replace"))
+    except json.JSONDecodeError as e:
+        raise ValueError(
+            f"{where} must hold a JSON object, but it is not valid JSON: {e}"
+        ) from None
+    if not isinstance(generation, dict):
+        raise ValueError(f"{where} must hold a JSON object; got a {type(generation).__name__}.")
+    eos = generation.get("eos_token_id")
+    if isinstance(eos, int):
+        eos = [eos]
+    if eos is None:
+        eos = []
+    if not isinstance(eos, list) or not all(isinstance(e, int) for e in eos):
+        raise ValueError(
+            f"{where} must give `eos_token_id` as an integer, a list of integers or null; "
+            f"got {generation.get('eos_token_id')!r}."
+        )
+    return dataclasses.replace(config, generation_eos_token_id=tuple(eos))
 
 
 def save_hf(

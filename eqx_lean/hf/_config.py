@@ -1,9 +1,12 @@
-"""The Mistral configuration: read from (and written to) HuggingFace `config.json` files."""
+"""The decoder configuration (Mistral, Llama, Qwen2): read from and written to `config.json`."""
 
 import dataclasses
 import json
 import os
 from typing import Any
+
+from ._families import FAMILIES, read_family, unknown_family, write_family
+from ._rope import Llama3Rope
 
 
 _DTYPE_NAMES = ("float32", "bfloat16", "float16")
@@ -11,7 +14,8 @@ _DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 @dataclasses.dataclass(frozen=True)
 class MistralConfig:
-    """The shape and numerics of a Mistral model, with HuggingFace's field names.
+    """The shape and numerics of a decoder of the Mistral, Llama or Qwen2 family, with
+    HuggingFace's field names (`DecoderConfig` is the same class).
 
     The defaults are Mistral-7B-v0.1. Use [`MistralConfig.from_hf`][] to read a checkpoint's
     `config.json` (both the transformers<5 form, with `rope_theta` and `torch_dtype` at the top
@@ -20,7 +24,18 @@ class MistralConfig:
 
     `head_dim` may differ from `hidden_size // num_attention_heads`; `None` means that quotient.
     `sliding_window=None` means full causal attention; otherwise a query attends to the
-    `sliding_window` most recent positions, itself included (HuggingFace's semantics).
+    `sliding_window` most recent positions, itself included (HuggingFace's semantics). With
+    `layer_types` (one `"full_attention"` or `"sliding_attention"` per layer, as Qwen2 has), only
+    the sliding layers use the window.
+
+    `model_type` is the family (`"mistral"`, `"llama"` or `"qwen2"`), which `config.json` is
+    written for. `attention_bias` puts biases on the q, k and v projections, `o_proj_bias` on
+    the output projection, `mlp_bias` on the three MLP projections (Llama: `attention_bias`
+    means both of the first two; Qwen2: q, k and v only). `rope_scaling` is `None` (default
+    rotary embeddings) or a `Llama3Rope` (`eqx_lean.hf._rope`). With `tie_word_embeddings` the
+    head is the embedding matrix itself (Llama and Qwen2; Mistral's head is untied). An
+    `eos_token_id` is an id or a tuple of ids; `generation_eos_token_id`, when not `None`, is
+    `generation_config.json`'s (which [`generate`][] prefers, as `transformers` does).
     """
 
     vocab_size: int = 32000
@@ -35,9 +50,17 @@ class MistralConfig:
     rope_theta: float = 10000.0
     sliding_window: int | None = 4096
     initializer_range: float = 0.02
-    bos_token_id: int = 1
-    eos_token_id: int = 2
+    bos_token_id: int | None = 1
+    eos_token_id: int | tuple[int, ...] | None = 2
     dtype: str = "bfloat16"
+    model_type: str = "mistral"
+    rope_scaling: Llama3Rope | None = None
+    attention_bias: bool = False
+    o_proj_bias: bool = False
+    mlp_bias: bool = False
+    tie_word_embeddings: bool = False
+    layer_types: tuple[str, ...] | None = None
+    generation_eos_token_id: tuple[int, ...] | None = None
 
     def __post_init__(self):
         positive = (
@@ -77,6 +100,69 @@ class MistralConfig:
             )
         if self.dtype not in _DTYPE_NAMES:
             raise ValueError(f"`dtype` must be one of {_DTYPE_NAMES}; got {self.dtype!r}.")
+        self._check_family()
+
+    def _check_family(self) -> None:
+        if self.model_type not in FAMILIES:
+            raise unknown_family(self.model_type)
+        for name in ("eos_token_id", "generation_eos_token_id", "layer_types"):
+            value = getattr(self, name)
+            if isinstance(value, list):
+                object.__setattr__(self, name, tuple(value))
+        if self.layer_types is not None:
+            kinds = {"full_attention", "sliding_attention"}
+            if (
+                len(self.layer_types) != self.num_hidden_layers
+                or not set(self.layer_types) <= kinds
+            ):
+                raise ValueError(
+                    f"`layer_types` must give one of {sorted(kinds)} for each of the "
+                    f"{self.num_hidden_layers} layers; got {list(self.layer_types)!r}."
+                )
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, Llama3Rope):
+            raise ValueError(
+                f"`rope_scaling` must be None or a Llama3Rope; got {self.rope_scaling!r}."
+            )
+        # What each family's `transformers` model can hold, so that `to_hf` describes the model.
+        biases = (self.attention_bias, self.o_proj_bias, self.mlp_bias)
+        allowed = {
+            "mistral": [(False, False, False)],
+            "llama": [(a, a, m) for a in (False, True) for m in (False, True)],
+            "qwen2": [(True, False, False)],
+        }[self.model_type]
+        if biases not in allowed:
+            raise ValueError(
+                f"a {self.model_type!r} model must have (attention_bias, o_proj_bias, mlp_bias) "
+                f"among {allowed}; got {biases}."
+            )
+        if self.model_type == "llama" and self.sliding_window is not None:
+            raise ValueError("a 'llama' model must have `sliding_window=None`: Llama has none.")
+        if self.model_type != "qwen2" and self.layer_types is not None:
+            raise ValueError(f"only 'qwen2' models have `layer_types`; got {self.model_type!r}.")
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's attention window (`None`: full causal attention)."""
+        if self.layer_types is None:
+            return (self.sliding_window,) * self.num_hidden_layers
+        return tuple(
+            self.sliding_window if kind == "sliding_attention" else None
+            for kind in self.layer_types
+        )
+
+    @property
+    def max_window(self) -> int | None:
+        """The widest window of any layer, `None` if some layer attends to everything."""
+        windows = self.layer_windows
+        return None if None in windows else max(w for w in windows if w is not None)
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """The ids [`generate`][] stops at: `generation_eos_token_id`, else `eos_token_id`."""
+        if self.generation_eos_token_id is not None:
+            return self.generation_eos_token_id
+        eos = self.eos_token_id
+        return () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
 
     @property
     def resolved_head_dim(self) -> int:
@@ -120,33 +206,23 @@ class MistralConfig:
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "MistralConfig":
-        """Reads a HuggingFace Mistral config dictionary (the contents of `config.json`).
+        """Reads a HuggingFace config dictionary (the contents of `config.json`).
 
         **Arguments:**
 
-        - `hf`: the dictionary, in the transformers<5 form (`rope_theta`, `torch_dtype`) or the
-            transformers-5 form (`rope_parameters={"rope_theta": ...}`, `dtype`).
+        - `hf`: the dictionary of a `"mistral"`, `"llama"` or `"qwen2"` model (a missing
+            `model_type` means Mistral), in the transformers-4 form (`rope_theta` and
+            `rope_scaling`, `torch_dtype`) or the transformers-5 form (`rope_parameters`,
+            `dtype`). Any other `model_type` is refused, as is any value this implementation
+            does not compute (`hidden_act`, `attention_dropout`, a rope type other than
+            `default` and `llama3`, Llama's `pretraining_tp`, ...).
 
         **Returns:**
 
-        The `MistralConfig`. Fields this example does not use (dropout, cache flags) are ignored.
+        The `MistralConfig` (alias `DecoderConfig`). Fields that change no numerics (cache
+        flags) are ignored.
         """
-        if hf.get("model_type", "mistral") != "mistral":
-            raise ValueError(f"`hf` must describe a Mistral model; got {hf.get('model_type')!r}.")
-        if hf.get("tie_word_embeddings", False):
-            raise ValueError("`hf` must have `tie_word_embeddings=False`: the head is untied.")
-        if hf.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"`hf` must use `hidden_act='silu'`; got {hf['hidden_act']!r}.")
-        rope = hf.get("rope_parameters") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise ValueError(f"`hf` must use default rotary embeddings; got {rope_type!r}.")
-        defaults = cls()
-        theta = rope.get("rope_theta", hf.get("rope_theta", defaults.rope_theta))
-        dtype = hf.get("dtype") or hf.get("torch_dtype") or defaults.dtype
-        fields = {f.name for f in dataclasses.fields(cls)} - {"rope_theta", "dtype"}
-        kwargs = {name: hf[name] for name in fields if name in hf}
-        return cls(**kwargs, rope_theta=float(theta), dtype=str(dtype))
+        return cls(**read_family(hf))
 
     @classmethod
     def from_json(cls, path: str | os.PathLike) -> "MistralConfig":
@@ -185,30 +261,11 @@ class MistralConfig:
         try:
             return cls.from_hf(hf)
         except (ValueError, TypeError) as e:
-            raise type(e)(f"{path} is not a Mistral config this example reads: {e}") from e
+            raise type(e)(f"{path} is not a config eqx_lean.hf reads: {e}") from e
 
     def to_hf(self) -> dict[str, Any]:
         """The transformers-5 `config.json` dictionary for this configuration."""
-        return {
-            "architectures": ["MistralForCausalLM"],
-            "model_type": "mistral",
-            "attention_dropout": 0.0,
-            "hidden_act": "silu",
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": self.eos_token_id,
-            "head_dim": self.head_dim,
-            "hidden_size": self.hidden_size,
-            "initializer_range": self.initializer_range,
-            "intermediate_size": self.intermediate_size,
-            "max_position_embeddings": self.max_position_embeddings,
-            "num_attention_heads": self.num_attention_heads,
-            "num_hidden_layers": self.num_hidden_layers,
-            "num_key_value_heads": self.num_key_value_heads,
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_parameters": {"rope_theta": self.rope_theta, "rope_type": "default"},
-            "sliding_window": self.sliding_window,
-            "tie_word_embeddings": False,
-            "use_cache": True,
-            "vocab_size": self.vocab_size,
-            "dtype": self.dtype,
-        }
+        return write_family(self)
+
+
+DecoderConfig = MistralConfig

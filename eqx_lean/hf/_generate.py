@@ -1,11 +1,13 @@
 """Text generation with a fixed-size KV cache: one prefill, then jitted in-place decode steps."""
 
 import functools
+from collections.abc import Sequence
 from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ._model import KVCache, Mistral
@@ -55,8 +57,8 @@ decode_step = jax.jit(
 
 
 def default_cache_size(model: Mistral, total_length: int) -> int:
-    """Slots needed for `total_length` positions: the window, if the model has a smaller one."""
-    window = model.config.sliding_window
+    """Slots needed for `total_length` positions: the window, if every layer has one smaller."""
+    window = model.config.max_window
     return total_length if window is None else min(window, total_length)
 
 
@@ -70,12 +72,13 @@ def generate(
     top_k: int | None = None,
     cache_size: int | None = None,
     return_logits: bool = False,
+    eos_token_id: int | Sequence[int] | None = None,
 ) -> Any:
     """Continues `prompt_ids` by `max_new_tokens` tokens.
 
     **Arguments:**
 
-    - `model`: the [`Mistral`][] model.
+    - `model`: the [`Mistral`][] model (any family).
     - `prompt_ids`: prompts of equal length, shape `[batch, prompt]`.
     - `max_new_tokens`: how many tokens to add.
     - `key`: random key, needed when `temperature > 0`.
@@ -84,11 +87,16 @@ def generate(
     - `cache_size`: slots of the KV cache; default: the whole sequence, or the sliding window
         if that is shorter (older positions are overwritten, as the window never sees them).
     - `return_logits`: also return the logits each new token was chosen from.
+    - `eos_token_id`: the ids that end a sequence; `None` means the checkpoint's
+        (`model.config.stop_token_ids`: `generation_config.json`'s `eos_token_id`, else
+        `config.json`'s, an id or a list); `()` never stops early.
 
     **Returns:**
 
-    The token ids `[batch, prompt + max_new_tokens]`, and with `return_logits` the logits
-    `[batch, max_new_tokens, vocab]`.
+    The token ids `[batch, prompt + new]`, and with `return_logits` the logits
+    `[batch, new, vocab]`, where `new` is `max_new_tokens`, or fewer once every sequence has
+    produced an end id. A sequence that ended before the others is padded with the first end
+    id (as `transformers` pads with `eos_token_id[0]` when there is no pad token).
     """
     prompt_ids = jnp.asarray(prompt_ids, jnp.int32)
     if prompt_ids.ndim != 2 or prompt_ids.shape[1] < 1:
@@ -103,11 +111,31 @@ def generate(
     params, static = eqx.partition(model, eqx.is_array)
     step = functools.partial(decode_step, static=static, temperature=temperature, top_k=top_k)
 
+    if eos_token_id is None:
+        stop = model.config.stop_token_ids
+    else:
+        stop = (eos_token_id,) if isinstance(eos_token_id, int) else tuple(eos_token_id)
+    stop_array = jnp.asarray(stop, jnp.int32)
+    done = jnp.zeros((batch,), bool)
+
+    def finish(next_ids: Array) -> tuple[Array, bool]:
+        """Pads the sequences that already ended; says whether all have now."""
+        nonlocal done
+        if not stop:
+            return next_ids, False
+        next_ids = jnp.where(done, stop[0], next_ids)
+        done = done | jnp.isin(next_ids, stop_array)
+        return next_ids, bool(np.all(np.asarray(done)))
+
     keys = [None] * max_new_tokens if key is None else list(jax.random.split(key, max_new_tokens))
     next_ids, last, cache = step(params, cache, prompt_ids, keys[0])
+    next_ids, ended = finish(next_ids)
     new_ids, all_logits = [next_ids], [last]
     for step_key in keys[1:]:
+        if ended:
+            break
         next_ids, last, cache = step(params, cache, next_ids[:, None], step_key)
+        next_ids, ended = finish(next_ids)
         new_ids.append(next_ids)
         all_logits.append(last)
     ids = jnp.concatenate([prompt_ids, jnp.stack(new_ids, axis=1)], axis=1)

@@ -1,9 +1,10 @@
-"""The Mistral model in Equinox, its decoder blocks stacked on a leading layer axis.
+"""The decoder (Mistral, Llama, Qwen2) in Equinox, its blocks stacked on a leading layer axis.
 
-Numerics follow HuggingFace `transformers` (`MistralForCausalLM`, eager attention) so that
-logits agree to float32 rounding: RMSNorm in float32, rotary embeddings in HF's `rotate_half`
-layout, softmax in float32, a sliding window in which a query sees `sliding_window` keys
-including itself.
+Numerics follow HuggingFace `transformers` (`MistralForCausalLM`, `LlamaForCausalLM`,
+`Qwen2ForCausalLM`, eager attention) so that logits agree to float32 rounding: RMSNorm in
+float32, rotary embeddings in HF's `rotate_half` layout (`default` or `llama3` frequencies),
+softmax in float32, a sliding window in which a query sees `sliding_window` keys including
+itself, per layer where the layers differ (Qwen2's `layer_types`).
 """
 
 import dataclasses
@@ -14,22 +15,30 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 import eqx_lean
 
 from .._product import linear_product
 from ._config import MistralConfig
+from ._rope import (
+    apply_rotary,
+    attention_mask as attention_mask,
+    rotary_cos_sin as rotary_cos_sin,
+)
 
 
 def _project(
     linear: Any, x: Float[Array, "... in"], key: PRNGKeyArray | None = None
 ) -> Float[Array, "... out"]:
-    """Applies a projection: an `eqx.nn.Linear` (no bias), or any module with a
-    `project(x, key=...)` method, such as a LoRA-adapted linear (`lora.LoraLinear`)."""
+    """Applies a projection: an `eqx.nn.Linear` (its bias added, if it has one), or any module
+    with a `project(x, key=...)` method, such as a LoRA-adapted linear (`lora.LoraLinear`)."""
     if isinstance(linear, eqx.nn.Linear):
         # `eqx.nn.Linear` maps one vector; an einsum maps any leading axes, like torch's Linear.
-        return linear_product(x, linear.weight)
+        out = linear_product(x, linear.weight)
+        if linear.bias is not None:
+            out = out + linear.bias.astype(out.dtype).reshape((1,) * (out.ndim - 1) + (-1,))
+        return out
     return linear.project(x, key=key)
 
 
@@ -51,43 +60,9 @@ class RMSNorm(eqx.Module):
         return weight * normed.astype(x.dtype).astype(out_dtype)
 
 
-def rotary_cos_sin(
-    positions: Int[Array, " seq"], head_dim: int, theta: float, dtype: Any
-) -> tuple[Float[Array, "seq head_dim"], Float[Array, "seq head_dim"]]:
-    """The rotary tables for `positions`, in HF's layout: both halves carry the same angles."""
-    exponents = jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim
-    inv_freq = 1.0 / (theta**exponents)
-    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
-    angles = jnp.concatenate([angles, angles], axis=-1)
-    return jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
-
-
 def _split_key(key: PRNGKeyArray | None, num: int) -> list[PRNGKeyArray | None]:
     """`num` keys from `key`, or `num` Nones (no randomness: inference)."""
     return [None] * num if key is None else list(jax.random.split(key, num))
-
-
-def _rotate_half(x: Float[Array, "... d"]) -> Float[Array, "... d"]:
-    first, second = jnp.split(x, 2, axis=-1)
-    return jnp.concatenate([-second, first], axis=-1)
-
-
-def _apply_rotary(
-    x: Float[Array, "batch seq heads d"], cos: Float[Array, "seq d"], sin: Float[Array, "seq d"]
-) -> Float[Array, "batch seq heads d"]:
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
-    return x * cos + _rotate_half(x) * sin
-
-
-def attention_mask(
-    query_positions: Int[Array, " q"], key_positions: Int[Array, " k"], sliding_window: int | None
-) -> Bool[Array, "q k"]:
-    """Which keys each query sees: causal, within the window, and never an empty slot (< 0)."""
-    q, k = query_positions[:, None], key_positions[None, :]
-    visible = (k >= 0) & (k <= q)
-    if sliding_window is not None:
-        visible = visible & (q - k < sliding_window)
-    return visible
 
 
 KV = tuple[Float[Array, "batch seq kv_heads head_dim"], Float[Array, "batch seq kv_heads head_dim"]]
@@ -103,7 +78,6 @@ class Attention(eqx.Module):
     num_heads: int = eqx.field(static=True)
     num_kv_heads: int = eqx.field(static=True)
     head_dim: int = eqx.field(static=True)
-    sliding_window: int | None = eqx.field(static=True)
 
     def __call__(
         self,
@@ -113,11 +87,13 @@ class Attention(eqx.Module):
         past: KV | None = None,
         past_positions: Int[Array, " past"] | None = None,
         *,
+        window: int | Int[Array, ""] | None = None,
         key: PRNGKeyArray | None = None,
     ) -> tuple[Float[Array, "batch seq hidden"], KV]:
         """Attends from `x` to itself and to `past` (keys and values already rotated).
 
-        `key`, when given, is split between the four projections (for LoRA dropout).
+        `window` is this layer's sliding window (`None`: full causal attention). `key`, when
+        given, is split between the four projections (for LoRA dropout).
 
         **Returns:**
 
@@ -130,7 +106,7 @@ class Attention(eqx.Module):
         q = _project(self.q_proj, x, q_key).reshape(batch, seq, self.num_heads, self.head_dim)
         k = _project(self.k_proj, x, k_key).reshape(batch, seq, self.num_kv_heads, self.head_dim)
         v = _project(self.v_proj, x, v_key).reshape(batch, seq, self.num_kv_heads, self.head_dim)
-        q, k = _apply_rotary(q, cos, sin), _apply_rotary(k, cos, sin)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
         keys, values, key_positions = k, v, positions
         if past is not None:
@@ -142,7 +118,7 @@ class Attention(eqx.Module):
         # Query head h reads key/value head h // groups, as HF's `repeat_kv` arranges them.
         q = q.reshape(batch, seq, self.num_kv_heads, groups, self.head_dim)
         scores = jnp.einsum("btgrd,bsgd->bgrts", q, keys) * self.head_dim**-0.5
-        mask = attention_mask(positions, key_positions, self.sliding_window)
+        mask = attention_mask(positions, key_positions, window)
         scores = jnp.where(mask[None, None, None], scores, jnp.finfo(scores.dtype).min)
         weights = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(x.dtype)
         out = jnp.einsum("bgrts,bsgd->btgrd", weights, values)
@@ -181,11 +157,19 @@ class DecoderBlock(eqx.Module):
         past: KV | None = None,
         past_positions: Int[Array, " past"] | None = None,
         *,
+        window: int | Int[Array, ""] | None = None,
         key: PRNGKeyArray | None = None,
     ) -> tuple[Float[Array, "batch seq hidden"], KV]:
+        """One layer on `x`; `window` is its sliding window (`None`: full attention)."""
         attn_key, mlp_key = _split_key(key, 2)
         attended, kv = self.self_attn(
-            self.input_layernorm(x), rotary, positions, past, past_positions, key=attn_key
+            self.input_layernorm(x),
+            rotary,
+            positions,
+            past,
+            past_positions,
+            window=window,
+            key=attn_key,
         )
         x = x + attended
         return x + self.mlp(self.post_attention_layernorm(x), key=mlp_key), kv
@@ -241,18 +225,20 @@ class KVCache(eqx.Module):
 
 
 class Mistral(eqx.Module):
-    """Mistral: token embedding, stacked decoder blocks, final RMSNorm, untied LM head.
+    """A decoder (Mistral, Llama or Qwen2; `Decoder` is the same class): token embedding,
+    stacked decoder blocks, final RMSNorm, LM head.
 
     `layers` is a single [`DecoderBlock`][] whose array leaves carry a leading layer axis (as
-    built by [`eqx_lean.build_stacked`][]). Call the model on `input_ids` of shape
-    `[batch, seq]` for logits `[batch, seq, vocab]`; use [`Mistral.step`][] with a
-    [`KVCache`][] for incremental decoding.
+    built by [`eqx_lean.build_stacked`][]). `lm_head` is `None` when the config ties the head
+    to the embedding (`tie_word_embeddings`): the embedding matrix is then the head. Call the
+    model on `input_ids` of shape `[batch, seq]` for logits `[batch, seq, vocab]`; use
+    [`Mistral.step`][] with a [`KVCache`][] for incremental decoding.
     """
 
     embed_tokens: eqx.nn.Embedding
     layers: DecoderBlock
     norm: RMSNorm
-    lm_head: eqx.nn.Linear
+    lm_head: eqx.nn.Linear | None
     config: MistralConfig = eqx.field(static=True)
 
     @property
@@ -273,20 +259,38 @@ class Mistral(eqx.Module):
             raise ValueError(f"`input_ids` must have shape [batch, seq]; got {input_ids.shape}.")
         x = self.embed_tokens.weight[input_ids]
         config = self.config
-        rotary = rotary_cos_sin(positions, config.resolved_head_dim, config.rope_theta, x.dtype)
+        rotary = rotary_cos_sin(
+            positions, config.resolved_head_dim, config.rope_theta, x.dtype, config.rope_scaling
+        )
         keep_kv = past is not None
         # One key per layer, sliced by the scan like the cache.
         layer_keys = None if key is None else jax.random.split(key, config.num_hidden_layers)
+        # Layers with one window share it statically; different windows (Qwen2's
+        # `layer_types`) are one int32 per layer, sliced by the scan (full attention: int32 max).
+        windows = config.layer_windows
+        uniform = all(w == windows[0] for w in windows)
+        layer_windows = None
+        if not uniform:
+            never = jnp.iinfo(jnp.int32).max
+            layer_windows = jnp.asarray([never if w is None else w for w in windows], jnp.int32)
 
         def call(
-            block: DecoderBlock, x: Array, per_layer: tuple[KV | None, PRNGKeyArray | None]
+            block: DecoderBlock,
+            x: Array,
+            per_layer: tuple[KV | None, PRNGKeyArray | None, Int[Array, ""] | None],
         ) -> tuple[Array, KV | None]:
-            past_i, key_i = per_layer
-            x, kv = block(x, rotary, positions, past_i, past_positions, key=key_i)
+            past_i, key_i, window_i = per_layer
+            window = windows[0] if uniform else window_i
+            x, kv = block(x, rotary, positions, past_i, past_positions, window=window, key=key_i)
             return x, (kv if keep_kv else None)
 
-        x, new_kv = eqx_lean.scan(self.layers, x, (past, layer_keys), call=call, remat=remat)
-        return _project(self.lm_head, self.norm(x)), new_kv
+        x, new_kv = eqx_lean.scan(
+            self.layers, x, (past, layer_keys, layer_windows), call=call, remat=remat
+        )
+        x = self.norm(x)
+        if self.lm_head is None:
+            return linear_product(x, self.embed_tokens.weight), new_kv
+        return _project(self.lm_head, x), new_kv
 
     def __call__(
         self,
@@ -339,10 +343,16 @@ def _normal(key: PRNGKeyArray, shape: tuple[int, ...], std: float) -> Array:
     return std * jax.random.normal(key, shape, jnp.float32)
 
 
-def _linear(in_features: int, out_features: int, std: float, *, key: PRNGKeyArray) -> eqx.nn.Linear:
-    # Equinox's uniform init is replaced; under `jit` XLA drops the unused random draw.
-    linear = eqx.nn.Linear(in_features, out_features, use_bias=False, key=key)
-    return eqx.tree_at(lambda m: m.weight, linear, _normal(key, (out_features, in_features), std))
+def _linear(
+    in_features: int, out_features: int, std: float, *, key: PRNGKeyArray, bias: bool = False
+) -> eqx.nn.Linear:
+    # Equinox's uniform init is replaced (biases start at zero, as HF's); under `jit` XLA drops
+    # the unused random draw.
+    linear = eqx.nn.Linear(in_features, out_features, use_bias=bias, key=key)
+    linear = eqx.tree_at(lambda m: m.weight, linear, _normal(key, (out_features, in_features), std))
+    if bias:
+        linear = eqx.tree_at(lambda m: m.bias, linear, jnp.zeros((out_features,), jnp.float32))
+    return linear
 
 
 def _rms_norm(config: MistralConfig, norm_std: float, *, key: PRNGKeyArray) -> RMSNorm:
@@ -378,20 +388,20 @@ def make_block(
     hidden, inner, head_dim = config.hidden_size, config.intermediate_size, config.resolved_head_dim
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     keys = jax.random.split(key, 9)
+    qkv, o, mlp_bias = config.attention_bias, config.o_proj_bias, config.mlp_bias
     attention = Attention(
-        q_proj=_linear(hidden, heads * head_dim, std, key=keys[0]),
-        k_proj=_linear(hidden, kv_heads * head_dim, std, key=keys[1]),
-        v_proj=_linear(hidden, kv_heads * head_dim, std, key=keys[2]),
-        o_proj=_linear(heads * head_dim, hidden, std, key=keys[3]),
+        q_proj=_linear(hidden, heads * head_dim, std, key=keys[0], bias=qkv),
+        k_proj=_linear(hidden, kv_heads * head_dim, std, key=keys[1], bias=qkv),
+        v_proj=_linear(hidden, kv_heads * head_dim, std, key=keys[2], bias=qkv),
+        o_proj=_linear(heads * head_dim, hidden, std, key=keys[3], bias=o),
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
-        sliding_window=config.sliding_window,
     )
     mlp = MLP(
-        gate_proj=_linear(hidden, inner, std, key=keys[4]),
-        up_proj=_linear(hidden, inner, std, key=keys[5]),
-        down_proj=_linear(inner, hidden, std, key=keys[6]),
+        gate_proj=_linear(hidden, inner, std, key=keys[4], bias=mlp_bias),
+        up_proj=_linear(hidden, inner, std, key=keys[5], bias=mlp_bias),
+        down_proj=_linear(inner, hidden, std, key=keys[6], bias=mlp_bias),
     )
     return DecoderBlock(
         input_layernorm=_rms_norm(config, norm_std, key=keys[7]),
@@ -449,13 +459,15 @@ def init(
 
     **Returns:**
 
-    The [`Mistral`][] model.
+    The [`Mistral`][] model (its head tied to the embedding with `tie_word_embeddings`).
     """
     dtype = _resolve_dtype(config, dtype)
     std = config.initializer_range if std is None else std
     embed_key, head_key, norm_key, layers_key = jax.random.split(key, 4)
     embed = _normal_matrix(embed_key, (config.vocab_size, config.hidden_size), std, dtype)
-    head = _normal_matrix(head_key, (config.vocab_size, config.hidden_size), std, dtype)
+    head = None
+    if not config.tie_word_embeddings:
+        head = _normal_matrix(head_key, (config.vocab_size, config.hidden_size), std, dtype)
     norm = _rms_norm(config, norm_std, key=norm_key)
     norm = RMSNorm(norm.weight.astype(dtype), norm.eps)
     layers = eqx_lean.build_stacked(
@@ -468,9 +480,12 @@ def init(
         embed_tokens=eqx.nn.Embedding(weight=embed),
         layers=layers,
         norm=norm,
-        lm_head=_linear_from_weight(head),
+        lm_head=None if head is None else _linear_from_weight(head),
         config=config,
     )
+
+
+Decoder = Mistral
 
 
 def _linear_from_weight(weight: Float[Array, "out in"]) -> eqx.nn.Linear:
