@@ -139,11 +139,18 @@ def test_resumed_run_equals_the_uninterrupted_one(tmp_path: pathlib.Path):
     short = dataclasses.replace(SETTINGS, steps=2)
     _, first_losses, _ = finetune(_base(), rows, DROPOUT, short, save_state=tmp_path / "s")
     resumed, later_losses, _ = finetune(
-        _base(), rows, DROPOUT, SETTINGS, resume=tmp_path / "s", save_state=tmp_path / "s",
+        _base(),
+        rows,
+        DROPOUT,
+        SETTINGS,
+        resume=tmp_path / "s",
+        save_state=tmp_path / "s",
         save_every=1,
     )
     assert first_losses + later_losses == straight_losses
-    _assert_bitwise(eqx.filter(resumed, lora_filter(resumed)), eqx.filter(straight, lora_filter(straight)))
+    _assert_bitwise(
+        eqx.filter(resumed, lora_filter(resumed)), eqx.filter(straight, lora_filter(straight))
+    )
     meta = json.loads((tmp_path / "s" / "finetune_state.json").read_text())
     assert meta["step"] == SETTINGS.steps
 
@@ -183,8 +190,14 @@ def test_cli_resume_in_a_fresh_process_equals_the_straight_run(tmp_path: pathlib
     assert "s/step; peak RSS" in out
     _cli(*common, "--steps", "2", "--save-state", str(tmp_path / "state"), cwd=ROOT)
     out = _cli(
-        *common, "--steps", "4", "--resume", str(tmp_path / "state"),
-        "--save-adapters", str(tmp_path / "resumed"), cwd=ROOT,
+        *common,
+        "--steps",
+        "4",
+        "--resume",
+        str(tmp_path / "state"),
+        "--save-adapters",
+        str(tmp_path / "resumed"),
+        cwd=ROOT,
     )
     assert "resumed from" in out
     from safetensors.numpy import load_file

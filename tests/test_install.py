@@ -28,7 +28,8 @@ _FINETUNE = textwrap.dedent(
     """
     import dataclasses, math, os, sys
     import equinox as eqx, jax, jax.numpy as jnp, numpy as np
-    import eqx_lean, eqx_lean.hf, eqx_lean.lora
+    import eqx_lean.lora  # first: alone, it must import (it imports the HF decoder)
+    import eqx_lean, eqx_lean.hf
     from eqx_lean.hf import MistralConfig, adamw, init, load_hf, make_lora_step, save_hf
     from eqx_lean.lora import LoraConfig, add_lora, lora_filter
 
@@ -118,13 +119,24 @@ def test_wheel_installs_offline_and_fine_tunes(
     _run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)])
     python = venv / "bin" / "python"
     purelib = pathlib.Path(
-        _run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"])
-        .stdout.strip()
+        _run(
+            [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]
+        ).stdout.strip()
     )
     _run(
         [
-            sys.executable, "-m", "pip", "--python", str(python), "install", "--no-index",
-            "--find-links", str(wheel_dir), "--no-build-isolation", "--no-deps", "eqx_lean",
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(python),
+            "install",
+            "--no-index",
+            "--find-links",
+            str(wheel_dir),
+            "--no-build-isolation",
+            "--no-deps",
+            "eqx_lean",
         ],
         env=_outside_env(),
     )

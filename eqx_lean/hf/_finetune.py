@@ -7,6 +7,10 @@ they have optimizer state; the base is an argument of the compiled step that is 
 never differentiated and never updated.
 """
 
+# Annotations stay unevaluated: `eqx_lean.lora` imports the HF decoder, so it may still be
+# initialising when this module is imported (`import eqx_lean.lora` first).
+from __future__ import annotations
+
 import dataclasses
 import os
 import time
@@ -19,7 +23,7 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array
 
-from ..lora._lora import LoraConfig, add_lora, lora_filter
+from .. import lora  # the module, not its names: see the note on annotations above
 from ._config import MistralConfig
 from ._data import batches
 from ._model import Mistral, init
@@ -27,7 +31,9 @@ from ._state import FinetuneState, load_state, save_state as save
 from ._train import _import_optax, adamw, next_token_loss
 
 
-def make_lora_step(optimizer: Any, *, remat: bool = True, grad_accum: int = 1) -> jax.stages.Wrapped:
+def make_lora_step(
+    optimizer: Any, *, remat: bool = True, grad_accum: int = 1
+) -> jax.stages.Wrapped:
     """A jitted LoRA training step: `(frozen, adapters, opt_state, input_ids, key) -> (adapters,
     opt_state, loss)`.
 
@@ -124,7 +130,7 @@ class FinetuneSettings:
     grad_accum: int = 1
 
 
-def _run_info(settings: FinetuneSettings, lora_config: LoraConfig, rows: np.ndarray) -> dict:
+def _run_info(settings: FinetuneSettings, lora_config: lora.LoraConfig, rows: np.ndarray) -> dict:
     """What a resumed run must share with the saved one to continue it exactly."""
     info = dataclasses.asdict(settings)
     del info["steps"]  # a resumed run may go further than the first one planned
@@ -137,7 +143,7 @@ def _run_info(settings: FinetuneSettings, lora_config: LoraConfig, rows: np.ndar
 def finetune(
     model: Mistral,
     rows: np.ndarray,
-    lora_config: LoraConfig,
+    lora_config: lora.LoraConfig,
     settings: FinetuneSettings = FinetuneSettings(),
     *,
     progress: bool = False,
@@ -171,8 +177,8 @@ def finetune(
     """
     key = jax.random.key(settings.seed)
     init_key, dropout_key = jax.random.split(key)
-    model = add_lora(model, lora_config, key=init_key)
-    adapters, frozen = eqx.partition(model, lora_filter(model))
+    model = lora.add_lora(model, lora_config, key=init_key)
+    adapters, frozen = eqx.partition(model, lora.lora_filter(model))
     optimizer = adamw(settings.learning_rate, weight_decay=settings.weight_decay)
     opt_state = optimizer.init(adapters)
     info = _run_info(settings, lora_config, rows)
@@ -221,14 +227,16 @@ def finetune(
     return eqx.combine(adapters, frozen), losses, seconds
 
 
-def _abstract_lora_model(config: MistralConfig, lora_config: LoraConfig, dtype: Any) -> Mistral:
+def _abstract_lora_model(
+    config: MistralConfig, lora_config: lora.LoraConfig, dtype: Any
+) -> Mistral:
     base = init(config, key=jax.random.key(0), dtype=dtype)
-    return add_lora(base, lora_config, key=jax.random.key(1))
+    return lora.add_lora(base, lora_config, key=jax.random.key(1))
 
 
 def step_memory(
     config: MistralConfig,
-    lora_config: LoraConfig,
+    lora_config: lora.LoraConfig,
     *,
     batch_size: int,
     seq_len: int,
@@ -246,7 +254,7 @@ def step_memory(
     gradients), `output` and `alias` (output bytes written into donated inputs).
     """
     model = eqx.filter_eval_shape(_abstract_lora_model, config, lora_config, dtype)
-    adapters, frozen = eqx.partition(model, lora_filter(model))
+    adapters, frozen = eqx.partition(model, lora.lora_filter(model))
     optimizer = adamw(1e-4, weight_decay=0.0)
     opt_state = jax.eval_shape(optimizer.init, adapters)
     input_ids = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32)
