@@ -20,11 +20,6 @@ from ._finetune import (
     make_lora_step as make_lora_step,
     step_memory as step_memory,
 )
-from ._state import (
-    FinetuneState as FinetuneState,
-    load_state as load_state,
-    save_state as save_state,
-)
 from ._generate import decode_step as decode_step, generate as generate, sample as sample
 from ._model import (
     DecoderBlock as DecoderBlock,
@@ -32,6 +27,11 @@ from ._model import (
     Mistral as Mistral,
     init as init,
     make_block as make_block,
+)
+from ._state import (
+    FinetuneState as FinetuneState,
+    load_state as load_state,
+    save_state as save_state,
 )
 from ._train import (
     adamw as adamw,
