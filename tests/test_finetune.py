@@ -179,6 +179,7 @@ def _cli(*args: str, cwd: pathlib.Path) -> str:
     return done.stdout
 
 
+@pytest.mark.slow  # three processes, each compiling (about 20 s); the docs run the flags too
 def test_cli_resume_in_a_fresh_process_equals_the_straight_run(tmp_path: pathlib.Path):
     """`finetune --save-state` then `--resume` in a new process: same adapters, bit for bit."""
     byte_level = dataclasses.replace(CONFIG, vocab_size=256)  # no tokenizer.json: bytes
