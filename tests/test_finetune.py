@@ -163,6 +163,8 @@ def test_resume_refuses_other_settings(tmp_path: pathlib.Path):
     other = dataclasses.replace(SETTINGS, learning_rate=1e-3)
     with pytest.raises(ValueError, match="other settings or data"):
         finetune(_base(), rows, LORA, other, resume=tmp_path / "s")
+    with pytest.raises(ValueError, match="other settings or data"):
+        finetune(_base(), _rows(10, seed=1), LORA, SETTINGS, resume=tmp_path / "s")
 
 
 def _cli(*args: str, cwd: pathlib.Path) -> str:

@@ -12,6 +12,8 @@ never differentiated and never updated.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import os
 import time
 from typing import Any
@@ -130,14 +132,18 @@ class FinetuneSettings:
     grad_accum: int = 1
 
 
-def _run_info(settings: FinetuneSettings, lora_config: lora.LoraConfig, rows: np.ndarray) -> dict:
-    """What a resumed run must share with the saved one to continue it exactly."""
-    info = dataclasses.asdict(settings)
+def _run_info(
+    settings: FinetuneSettings, lora_config: lora.LoraConfig, rows: np.ndarray
+) -> dict[str, Any]:
+    """What a resumed run must share with the saved one to continue it exactly, in the form it
+    takes after a JSON round trip (tuples as lists), so a loaded copy compares equal."""
+    info: dict[str, Any] = dataclasses.asdict(settings)
     del info["steps"]  # a resumed run may go further than the first one planned
     info["lora"] = dataclasses.asdict(lora_config)
-    info["lora"]["target_modules"] = list(lora_config.target_modules)
-    info["rows"] = list(rows.shape)
-    return info
+    # The data itself, not just its shape: other rows would give other batches.
+    rows = np.ascontiguousarray(rows)
+    info["rows"] = {"shape": list(rows.shape), "sha256": hashlib.sha256(rows.data).hexdigest()}
+    return json.loads(json.dumps(info, default=str))
 
 
 def finetune(
