@@ -209,7 +209,7 @@ def finetune_command(args: argparse.Namespace) -> None:
     from eqx_lean.hf import FinetuneSettings, finetune, load_hf, load_rows
     from eqx_lean.lora import LoraConfig
 
-    save_adapters = _hf_save_adapters()
+    save_adapters = _hf_adapter_io("save_adapters")
 
     lora_config = LoraConfig(
         r=args.rank,
@@ -274,7 +274,9 @@ _TOKENIZER_FILES = (
 
 def merge_command(args: argparse.Namespace) -> None:
     from eqx_lean.hf import load_hf, save_hf
-    from eqx_lean.lora import load_adapters, merge_lora
+    from eqx_lean.lora import merge_lora
+
+    load_adapters = _hf_adapter_io("load_adapters")
 
     # The base's weights, config and tokenizer files are read from one checkpoint opened whole
     # (a save replacing it meanwhile cannot mix two), and the tokenizer files go into the same
@@ -320,16 +322,13 @@ def _target_modules(targets: list[str]) -> tuple[str, ...]:
     return tuple(f"{t}_proj" if t in _ALL_TARGETS else t for t in targets)
 
 
-def _hf_save_adapters() -> Any:
-    """`eqx_lean.hf.save_adapters(model, path)`, PEFT's format for the HF decoder; before it
-    exists, `eqx_lean.lora`'s Mistral-only one of the same signature."""
+def _hf_adapter_io(name: str) -> Any:
+    """`eqx_lean.hf.save_adapters` or `load_adapters` (`(model, path)`: PEFT's format for the HF
+    decoder); before they exist, `eqx_lean.lora`'s Mistral-only ones of the same signature."""
     import eqx_lean.hf
+    import eqx_lean.lora
 
-    if hasattr(eqx_lean.hf, "save_adapters"):
-        return eqx_lean.hf.save_adapters  # type: ignore[attr-defined]
-    from eqx_lean.lora import save_adapters
-
-    return save_adapters
+    return getattr(eqx_lean.hf, name, None) or getattr(eqx_lean.lora, name)
 
 
 def main() -> None:
