@@ -132,7 +132,12 @@ def test_notebook_runs(path: pathlib.Path, monkeypatch: pytest.MonkeyPatch):
 #   <!-- not run: REASON -->   skipped, with the reason (7B sizes, installs, the full suite);
 #   <!-- own process -->       run alone in a fresh interpreter (memory figures need one).
 
-FIRST_HOUR_PAGES = ["docs/getting-started.md", "docs/faq.md", "examples/mistral7b/README.md"]
+FIRST_HOUR_PAGES = [
+    "docs/getting-started.md",
+    "docs/faq.md",
+    "docs/fine-tuning.md",
+    "examples/mistral7b/README.md",
+]
 _FENCE = re.compile(r"^```(\w*)\s*$")
 _MARKER = re.compile(r"^<!--\s*(not run:\s*(?P<reason>.+?)|(?P<own>own process))\s*-->\s*$")
 BLOCK_TIMEOUT_S = 300
@@ -296,16 +301,34 @@ PAGE_RUNS = [
         "docs/getting-started.md", 1, id="getting-started-1-device", marks=pytest.mark.slow
     ),
     pytest.param("docs/faq.md", 1, id="faq"),
+    pytest.param("docs/fine-tuning.md", 1, id="fine-tuning"),
     pytest.param("examples/mistral7b/README.md", 1, id="mistral-readme"),
 ]
 
 
 @pytest.mark.parametrize("page, devices", PAGE_RUNS)
 def test_first_hour_page_runs_as_written(page: str, devices: int, tmp_path: pathlib.Path):
+    if page == "docs/fine-tuning.md" and not _generic_lora():
+        pytest.xfail(
+            "the page is written for the generic LoRA API (add_lora(..., types=...) on any "
+            "Equinox model, eqx_lean.hf.save_adapters), which lands with feat/lora"
+        )
     workdir = tmp_path / "work"
     workdir.mkdir()
     skipped = run_page(page, workdir, devices)
     print("\n".join(["not run:", *skipped]))
+
+
+def _generic_lora() -> bool:
+    """Whether `eqx_lean.lora` is the generic one (any Equinox model) and `eqx_lean.hf` has the
+    decoder's PEFT I/O, as docs/fine-tuning.md uses them (asked of a fresh interpreter)."""
+    code = (
+        "import inspect, eqx_lean.hf, eqx_lean.lora\n"
+        "assert 'types' in inspect.signature(eqx_lean.lora.add_lora).parameters\n"
+        "assert hasattr(eqx_lean.hf, 'save_adapters')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], env=_page_env(1), capture_output=True)
+    return done.returncode == 0
 
 
 def test_first_hour_pages_mark_every_block():

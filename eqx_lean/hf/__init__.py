@@ -28,6 +28,11 @@ from ._model import (
     init as init,
     make_block as make_block,
 )
+from ._state import (
+    FinetuneState as FinetuneState,
+    load_state as load_state,
+    save_state as save_state,
+)
 from ._train import (
     adamw as adamw,
     make_train_step as make_train_step,

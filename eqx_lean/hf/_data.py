@@ -136,17 +136,38 @@ def check_ids(rows: np.ndarray, vocab_size: int) -> None:
         )
 
 
-def batches(rows: np.ndarray, batch_size: int, *, seed: int) -> Iterator[np.ndarray]:
-    """Endless batches `[batch_size, seq_len]` of the rows, reshuffled at each pass over them."""
+def batches(
+    rows: np.ndarray, batch_size: int, *, seed: int, start: int = 0
+) -> Iterator[np.ndarray]:
+    """Endless batches `[batch_size, seq_len]` of the rows, reshuffled at each pass over them.
+
+    **Arguments:**
+
+    - `rows`: the packed rows `[rows, seq_len]`.
+    - `batch_size`: rows per batch.
+    - `seed`: the shuffles' seed.
+    - `start`: the number of batches to skip, so that a resumed run at step `start` reads the
+        batches the uninterrupted run would have read (the shuffles are replayed, not the
+        rows copied, so skipping costs no more than drawing the permutations).
+
+    **Returns:**
+
+    An iterator of int32 arrays `[batch_size, seq_len]`.
+    """
     if batch_size < 1:
         raise ValueError(f"`batch_size` must be a positive integer; got {batch_size}.")
+    if start < 0:
+        raise ValueError(f"`start` must be a non-negative integer; got {start}.")
     rng = np.random.default_rng(seed)
     order: list[Any] = []
+    index = 0
     while True:
         while len(order) < batch_size:
             order.extend(rng.permutation(len(rows)).tolist())
         take, order = order[:batch_size], order[batch_size:]
-        yield rows[take]
+        if index >= start:
+            yield rows[take]
+        index += 1
 
 
 def load_rows(

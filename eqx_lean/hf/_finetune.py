@@ -7,41 +7,72 @@ they have optimizer state; the base is an argument of the compiled step that is 
 never differentiated and never updated.
 """
 
+# Annotations stay unevaluated: `eqx_lean.lora` imports the HF decoder, so it may still be
+# initialising when this module is imported (`import eqx_lean.lora` first).
+from __future__ import annotations
+
 import dataclasses
+import hashlib
+import json
+import os
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jaxtyping import Array
 
-from ..lora._lora import LoraConfig, add_lora, lora_filter
+from .. import lora  # the module, not its names: see the note on annotations above
 from ._config import MistralConfig
 from ._data import batches
 from ._model import Mistral, init
+from ._state import FinetuneState, load_state, save_state as save
 from ._train import _import_optax, adamw, next_token_loss
 
 
-def make_lora_step(optimizer: Any, *, remat: bool = True) -> jax.stages.Wrapped:
-    """A jitted `(frozen, adapters, opt_state, input_ids, key) -> (adapters, opt_state, loss)`.
+def make_lora_step(
+    optimizer: Any, *, remat: bool = True, grad_accum: int = 1
+) -> jax.stages.Wrapped:
+    """A jitted LoRA training step: `(frozen, adapters, opt_state, input_ids, key) -> (adapters,
+    opt_state, loss)`.
 
-    `adapters` and `frozen` are the two halves of `eqx.partition(model, lora_filter(model))`.
-    The adapters and the optimizer state are donated (updated in place); the frozen base, the
-    batch and the key are not. `key` drives LoRA dropout (`None` when there is none).
+    **Arguments:**
+
+    - `optimizer`: an optax optimizer of the adapters (such as [`adamw`][eqx_lean.hf.adamw]).
+    - `remat`: recompute each layer's activations in the backward pass instead of saving them.
+    - `grad_accum`: gradient accumulation: `input_ids` of shape `[grad_accum * micro, seq]`
+        are cut into `grad_accum` micro-batches of `micro` consecutive rows, run one after
+        the other (a `lax.scan`, so activations are those of one micro-batch), and their
+        gradients summed in float32 into one update. The loss and the update are those of the
+        whole batch (the mean of the micro-batch means, equal sizes), up to float32 rounding.
+        With LoRA dropout, micro-batch `j` draws with `jax.random.fold_in(key, j)`.
+
+    **Returns:**
+
+    The jitted step. `adapters` and `frozen` are the two halves of
+    `eqx.partition(model, lora_filter(model))`. The adapters and the optimizer state are
+    donated (updated in place); the frozen base, the batch and the key are not. `key` drives
+    LoRA dropout (`None` when there is none). The returned loss is the float32 mean over the
+    batch.
     """
     optax = _import_optax()
+    if not isinstance(grad_accum, int) or grad_accum < 1:
+        raise ValueError(f"`grad_accum` must be a positive integer; got {grad_accum!r}.")
 
     def step(
         frozen: Mistral, adapters: Mistral, opt_state: Any, input_ids: Array, key: Any
     ) -> tuple[Mistral, Any, Array]:
-        def loss_of(adapters: Mistral) -> Array:
+        def loss_of(adapters: Mistral, ids: Array, key: Any) -> Array:
             model = eqx.combine(adapters, frozen)
-            return next_token_loss(model, input_ids, remat=remat, key=key)
+            return next_token_loss(model, ids, remat=remat, key=key).astype(jnp.float32)
 
-        loss, grads = jax.value_and_grad(loss_of)(adapters)
+        if grad_accum == 1:
+            loss, grads = jax.value_and_grad(loss_of)(adapters, input_ids, key)
+        else:
+            loss, grads = _accumulated(loss_of, adapters, input_ids, key, grad_accum)
         # optax mixes Python floats with int32 step counts (bias correction), which strict
         # dtype promotion rejects; the model itself stays strict-clean.
         with jax.numpy_dtype_promotion("standard"):
@@ -53,9 +84,44 @@ def make_lora_step(optimizer: Any, *, remat: bool = True) -> jax.stages.Wrapped:
     return jax.jit(step, donate_argnums=(1, 2))
 
 
+def _accumulated(
+    loss_of: Any, adapters: Mistral, input_ids: Array, key: Any, grad_accum: int
+) -> tuple[Array, Mistral]:
+    """The mean loss and gradient of `grad_accum` equal micro-batches of `input_ids`, summed
+    in float32 over a `lax.scan` (so only one micro-batch's activations are ever live)."""
+    batch = input_ids.shape[0]
+    if batch % grad_accum:
+        raise ValueError(
+            f"`input_ids` has {batch} rows, which `grad_accum`={grad_accum} micro-batches "
+            "cannot share equally: the batch must be a multiple of `grad_accum`."
+        )
+    micro = input_ids.reshape(grad_accum, batch // grad_accum, *input_ids.shape[1:])
+
+    def body(carry: Any, xs: Any) -> tuple[Any, None]:
+        loss_sum, grad_sum = carry
+        index, ids = xs
+        micro_key = None if key is None else jax.random.fold_in(key, index)
+        loss, grads = jax.value_and_grad(loss_of)(adapters, ids, micro_key)
+        grad_sum = jax.tree.map(lambda s, g: s + g.astype(jnp.float32), grad_sum, grads)
+        return (loss_sum + loss, grad_sum), None
+
+    # float32 sums whatever the adapters' dtype: bfloat16 sums would round the small
+    # micro-batch gradients away.
+    zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), adapters)
+    init = (jnp.zeros((), jnp.float32), zeros)
+    (loss_sum, grad_sum), _ = lax.scan(body, init, (jnp.arange(grad_accum), micro))
+    grads = jax.tree.map(lambda g, a: (g / grad_accum).astype(a.dtype), grad_sum, adapters)
+    return loss_sum / grad_accum, grads
+
+
 @dataclasses.dataclass(frozen=True)
 class FinetuneSettings:
-    """The optimisation settings of [`finetune`][]."""
+    """The optimisation settings of [`finetune`][eqx_lean.hf.finetune].
+
+    `batch_size` is the rows of one update; with `grad_accum` > 1 they are run as `grad_accum`
+    micro-batches of `batch_size // grad_accum` rows (see
+    [`make_lora_step`][eqx_lean.hf.make_lora_step]).
+    """
 
     steps: int = 100
     batch_size: int = 1
@@ -63,40 +129,81 @@ class FinetuneSettings:
     weight_decay: float = 0.0
     seed: int = 0
     remat: bool = True
+    grad_accum: int = 1
+
+
+def _run_info(
+    settings: FinetuneSettings, lora_config: lora.LoraConfig, rows: np.ndarray
+) -> dict[str, Any]:
+    """What a resumed run must share with the saved one to continue it exactly, in the form it
+    takes after a JSON round trip (tuples as lists), so a loaded copy compares equal."""
+    info: dict[str, Any] = dataclasses.asdict(settings)
+    del info["steps"]  # a resumed run may go further than the first one planned
+    info["lora"] = dataclasses.asdict(lora_config)
+    # The data itself, not just its shape: other rows would give other batches.
+    rows = np.ascontiguousarray(rows)
+    info["rows"] = {"shape": list(rows.shape), "sha256": hashlib.sha256(rows.data).hexdigest()}
+    return json.loads(json.dumps(info, default=str))
 
 
 def finetune(
     model: Mistral,
     rows: np.ndarray,
-    lora_config: LoraConfig,
+    lora_config: lora.LoraConfig,
     settings: FinetuneSettings = FinetuneSettings(),
     *,
     progress: bool = False,
+    save_state: str | os.PathLike | None = None,
+    save_every: int = 0,
+    resume: str | os.PathLike | None = None,
 ) -> tuple[Mistral, list[float], list[float]]:
     """Adds fresh LoRA adapters to `model` and trains them with AdamW on `rows`.
 
     **Arguments:**
 
-    - `model`: the base [`Mistral`][] (any dtype; it stays frozen and is never copied).
-    - `rows`: packed token ids `[rows, seq_len]` (see `data.load_rows`).
+    - `model`: the base [`Mistral`][eqx_lean.hf.Mistral] (any dtype; it stays frozen and is
+        never copied).
+    - `rows`: packed token ids `[rows, seq_len]` (see [`load_rows`][eqx_lean.hf.load_rows]).
     - `lora_config`: the adapters to add.
-    - `settings`: steps, batch size, learning rate, weight decay, seed, remat.
+    - `settings`: steps, batch size, learning rate, weight decay, seed, remat, gradient
+        accumulation.
     - `progress`: show a tqdm progress bar with the loss.
+    - `save_state`: a directory to save the run's [`FinetuneState`][eqx_lean.hf.FinetuneState]
+        in (adapters, optimizer state, step, dropout key), after the last step and every
+        `save_every` steps; each save replaces the directory atomically.
+    - `save_every`: steps between saves (0: only at the end).
+    - `resume`: a directory saved by an earlier run with the same settings and data: training
+        continues from its step up to `settings.steps`, reading the batches and dropout keys
+        the uninterrupted run would have, so the result is bitwise the same.
 
     **Returns:**
 
-    The model with trained adapters, the loss of every step, and the seconds of every step (the
-    first includes compilation).
+    The model with trained adapters, the loss of every step run here, and the seconds of every
+    step (the first includes compilation).
     """
     key = jax.random.key(settings.seed)
     init_key, dropout_key = jax.random.split(key)
-    model = add_lora(model, lora_config, key=init_key)
-    adapters, frozen = eqx.partition(model, lora_filter(model))
+    model = lora.add_lora(model, lora_config, key=init_key)
+    adapters, frozen = eqx.partition(model, lora.lora_filter(model))
     optimizer = adamw(settings.learning_rate, weight_decay=settings.weight_decay)
     opt_state = optimizer.init(adapters)
-    step = make_lora_step(optimizer, remat=settings.remat)
-    data: Iterator[np.ndarray] = batches(rows, settings.batch_size, seed=settings.seed)
-    steps: Any = range(settings.steps)
+    info = _run_info(settings, lora_config, rows)
+    state = FinetuneState(adapters, opt_state, 0, dropout_key, info)
+    if resume is not None:
+        state = load_state(resume, state)
+        if state.info != info:
+            raise ValueError(
+                f"{os.fspath(resume)} was saved by a run with other settings or data, which "
+                f"resuming would not continue exactly: saved {state.info}, now {info}."
+            )
+        if state.step > settings.steps:
+            raise ValueError(
+                f"{os.fspath(resume)} is at step {state.step}, past `steps`={settings.steps}."
+            )
+    adapters, opt_state, dropout_key = state.adapters, state.opt_state, state.key
+    step = make_lora_step(optimizer, remat=settings.remat, grad_accum=settings.grad_accum)
+    data = batches(rows, settings.batch_size, seed=settings.seed, start=state.step)
+    steps: Any = range(state.step, settings.steps)
     if progress:
         try:
             from tqdm import tqdm
@@ -118,17 +225,24 @@ def finetune(
         seconds.append(time.perf_counter() - start)
         if progress:
             steps.set_postfix(loss=f"{losses[-1]:.4f}")
+        done = i + 1
+        if save_state is not None and (
+            done == settings.steps or (save_every > 0 and done % save_every == 0)
+        ):
+            save(save_state, FinetuneState(adapters, opt_state, done, dropout_key, info))
     return eqx.combine(adapters, frozen), losses, seconds
 
 
-def _abstract_lora_model(config: MistralConfig, lora_config: LoraConfig, dtype: Any) -> Mistral:
+def _abstract_lora_model(
+    config: MistralConfig, lora_config: lora.LoraConfig, dtype: Any
+) -> Mistral:
     base = init(config, key=jax.random.key(0), dtype=dtype)
-    return add_lora(base, lora_config, key=jax.random.key(1))
+    return lora.add_lora(base, lora_config, key=jax.random.key(1))
 
 
 def step_memory(
     config: MistralConfig,
-    lora_config: LoraConfig,
+    lora_config: lora.LoraConfig,
     *,
     batch_size: int,
     seq_len: int,
@@ -146,7 +260,7 @@ def step_memory(
     gradients), `output` and `alias` (output bytes written into donated inputs).
     """
     model = eqx.filter_eval_shape(_abstract_lora_model, config, lora_config, dtype)
-    adapters, frozen = eqx.partition(model, lora_filter(model))
+    adapters, frozen = eqx.partition(model, lora.lora_filter(model))
     optimizer = adamw(1e-4, weight_decay=0.0)
     opt_state = jax.eval_shape(optimizer.init, adapters)
     input_ids = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32)

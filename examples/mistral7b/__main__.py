@@ -10,7 +10,10 @@
 - `train`: the small byte-level training run on the bundled text.
 - `finetune --checkpoint DIR --data FILE --rank R --targets q k v o gate up down --steps N
     --save-adapters OUT`: LoRA fine-tuning (optax AdamW on the adapters only, remat), adapters
-    written in PEFT's format; prints the peak RSS and the seconds per step.
+    written in PEFT's format; prints the peak RSS and the seconds per step. `--grad-accum N`
+    runs each batch as N micro-batches; `--save-state DIR [--save-every K]` saves the run
+    (adapters, optimizer state, step, dropout key) atomically, and `--resume DIR` continues it
+    exactly.
 - `merge --checkpoint DIR --adapters AD --out OUT`: folds PEFT adapters into the base, layer by
     layer in place, and writes a HF checkpoint.
 - `lora-memory --layers 4 --rank 16`: XLA's memory plan for one LoRA step of a full-width
@@ -204,12 +207,14 @@ def train_command(args: argparse.Namespace) -> None:
 
 def finetune_command(args: argparse.Namespace) -> None:
     from eqx_lean.hf import FinetuneSettings, finetune, load_hf, load_rows
-    from eqx_lean.lora import LoraConfig, save_adapters
+    from eqx_lean.lora import LoraConfig
+
+    save_adapters = _hf_adapter_io("save_adapters")
 
     lora_config = LoraConfig(
         r=args.rank,
         lora_alpha=args.alpha if args.alpha is not None else 2 * args.rank,
-        target_modules=tuple(args.targets),
+        target_modules=_target_modules(args.targets),
         use_rslora=args.rslora,
         lora_dropout=args.dropout,
     )
@@ -229,14 +234,30 @@ def finetune_command(args: argparse.Namespace) -> None:
         learning_rate=args.lr,
         weight_decay=args.weight_decay,
         seed=args.seed,
+        grad_accum=args.grad_accum,
     )
-    model, losses, seconds = finetune(model, rows, lora_config, settings, progress=True)
+    if args.resume:
+        print(f"resumed from {args.resume}")
+    model, losses, seconds = finetune(
+        model,
+        rows,
+        lora_config,
+        settings,
+        progress=True,
+        save_state=args.save_state or None,
+        save_every=args.save_every,
+        resume=args.resume or None,
+    )
+    if not losses:
+        raise SystemExit(f"nothing to run: the state is already at step {args.steps}.")
     later = seconds[1:] or seconds
     print(
         f"loss {losses[0]:.4f} -> {losses[-1]:.4f}; first step {seconds[0]:.2f} s (with "
         f"compilation), then {sum(later) / len(later):.3f} s/step; "
         f"peak RSS {_gib(_status_kib('VmHWM'))}"
     )
+    if args.save_state:
+        print(f"state written to {args.save_state} (resume with --resume)")
     if args.save_adapters:
         save_adapters(model, args.save_adapters)
         print(f"adapters written to {args.save_adapters} (PEFT format)")
@@ -253,7 +274,9 @@ _TOKENIZER_FILES = (
 
 def merge_command(args: argparse.Namespace) -> None:
     from eqx_lean.hf import load_hf, save_hf
-    from eqx_lean.lora import load_adapters, merge_lora
+    from eqx_lean.lora import merge_lora
+
+    load_adapters = _hf_adapter_io("load_adapters")
 
     # The base's weights, config and tokenizer files are read from one checkpoint opened whole
     # (a save replacing it meanwhile cannot mix two), and the tokenizer files go into the same
@@ -277,7 +300,7 @@ def lora_memory_command(args: argparse.Namespace) -> None:
         MistralConfig.preset(args.preset), num_hidden_layers=args.layers, dtype=args.dtype
     )
     lora_config = LoraConfig(
-        r=args.rank, lora_alpha=2 * args.rank, target_modules=tuple(args.targets)
+        r=args.rank, lora_alpha=2 * args.rank, target_modules=_target_modules(args.targets)
     )
     plan = step_memory(
         config, lora_config, batch_size=args.batch_size, seq_len=args.seq_len, dtype=args.dtype
@@ -291,6 +314,21 @@ def lora_memory_command(args: argparse.Namespace) -> None:
 
 
 _ALL_TARGETS = ["q", "k", "v", "o", "gate", "up", "down"]
+
+
+def _target_modules(targets: list[str]) -> tuple[str, ...]:
+    """PEFT's module names for the command line's short ones (`q` -> `q_proj`): `LoraConfig`'s
+    `target_modules` are path suffixes, which `q` alone would not match."""
+    return tuple(f"{t}_proj" if t in _ALL_TARGETS else t for t in targets)
+
+
+def _hf_adapter_io(name: str) -> Any:
+    """`eqx_lean.hf.save_adapters` or `load_adapters` (`(model, path)`: PEFT's format for the HF
+    decoder); before they exist, `eqx_lean.lora`'s Mistral-only ones of the same signature."""
+    import eqx_lean.hf
+    import eqx_lean.lora
+
+    return getattr(eqx_lean.hf, name, None) or getattr(eqx_lean.lora, name)
 
 
 def main() -> None:
@@ -352,6 +390,12 @@ def main() -> None:
     p.add_argument("--dtype", default=None, help="the base's dtype (default: the checkpoint's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save-adapters", default="", help="write the adapters here (PEFT format)")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per batch")
+    p.add_argument(
+        "--save-state", default="", help="save the run here (atomically), to --resume it"
+    )
+    p.add_argument("--save-every", type=int, default=0, help="steps between saves (0: at end)")
+    p.add_argument("--resume", default="", help="continue the run saved in this directory")
     p.set_defaults(run=finetune_command)
 
     p = commands.add_parser("merge", help="fold PEFT adapters into a HF checkpoint")

@@ -1,0 +1,181 @@
+"""The package as a user installs it: a wheel of this checkout, in a fresh virtual environment,
+imported from outside the checkout, fine-tunes a tiny checkpoint with `eqx_lean.hf`.
+
+The default test is offline: the wheel is installed with `--no-index --no-deps`, and the new
+environment sees the running interpreter's packages (jax, equinox, optax...) through a `.pth`
+file of plain directories. Plain directories, because the running environment may hold an
+editable `eqx_lean` (a `.pth` pointing at a checkout): `.pth` files inside a directory added
+that way are not processed, and the test checks that `eqx_lean` comes from the new environment.
+"""
+
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import sysconfig
+import textwrap
+import time
+
+import pytest
+
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+# Run in the new environment from a directory outside the checkout: a tiny random checkpoint,
+# written, loaded, fine-tuned with LoRA for a few steps, adapters saved.
+_FINETUNE = textwrap.dedent(
+    """
+    import dataclasses, math, os, sys
+    import equinox as eqx, jax, jax.numpy as jnp, numpy as np
+    import eqx_lean.lora  # first: alone, it must import (it imports the HF decoder)
+    import eqx_lean, eqx_lean.hf
+    from eqx_lean.hf import MistralConfig, adamw, init, load_hf, make_lora_step, save_hf
+    from eqx_lean.lora import LoraConfig, add_lora, lora_filter
+
+    prefix = os.path.realpath(sys.prefix)
+    for module in (eqx_lean, eqx_lean.hf, eqx_lean.lora):
+        assert os.path.realpath(module.__file__).startswith(prefix + os.sep), module.__file__
+    config = dataclasses.replace(
+        MistralConfig.tiny(), hidden_size=32, intermediate_size=64, vocab_size=64
+    )
+    save_hf(init(config, key=jax.random.key(0), std=0.2), "base")
+    model = add_lora(
+        load_hf("base"), LoraConfig(r=4, lora_alpha=8, target_modules=("q_proj", "v_proj")),
+        key=jax.random.key(1),
+    )
+    adapters, frozen = eqx.partition(model, lora_filter(model))
+    optimizer = adamw(3e-2)
+    opt_state = optimizer.init(adapters)
+    step = make_lora_step(optimizer, grad_accum=2)
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, 64, (4, 16), np.int32))
+    losses = []
+    for _ in range(4):
+        adapters, opt_state, loss = step(frozen, adapters, opt_state, ids, None)
+        losses.append(float(loss))
+    assert all(math.isfinite(x) for x in losses), losses
+    assert losses[-1] < losses[0], losses
+    print("eqx_lean from", os.path.realpath(eqx_lean.__file__))
+    print("losses", losses)
+    """
+)
+
+
+def _run(command: list[str], **kwargs) -> subprocess.CompletedProcess:
+    done = subprocess.run(command, capture_output=True, text=True, **kwargs)
+    assert done.returncode == 0, f"{command}:\n{done.stdout}\n{done.stderr}"
+    return done
+
+
+def _has_hatchling() -> bool:
+    done = subprocess.run([sys.executable, "-c", "import hatchling"], capture_output=True)
+    return done.returncode == 0
+
+
+@pytest.fixture(scope="module")
+def wheel_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """One wheel of this checkout, built once for the module's tests."""
+    out = tmp_path_factory.mktemp("wheel")
+    command = [sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(out), str(ROOT)]
+    if _has_hatchling():  # the `test` extra installs it: no index needed
+        command.insert(4, "--no-build-isolation")
+    # Else pip fetches hatchling into an isolated build environment from its configured
+    # indexes; where there are none reachable the test is skipped, not failed.
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    if done.returncode != 0 and "--no-build-isolation" not in command:
+        pytest.skip(
+            "hatchling is not installed (it is in the `test` extra) and pip could not fetch it "
+            f"for an isolated build:\n{done.stderr[-2000:]}"
+        )
+    assert done.returncode == 0, done.stdout + done.stderr
+    wheels = list(out.glob("eqx_lean-*.whl"))
+    assert len(wheels) == 1, wheels
+    return out
+
+
+def _outside_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
+    env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
+def test_wheel_holds_the_hf_layer_and_lora_and_nothing_of_examples(wheel_dir: pathlib.Path):
+    import zipfile
+
+    (wheel,) = wheel_dir.glob("eqx_lean-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    for needed in ["eqx_lean/hf/__init__.py", "eqx_lean/hf/_state.py", "eqx_lean/lora/__init__.py"]:
+        assert needed in names, needed
+    assert not [n for n in names if n.startswith(("examples/", "tests/"))]
+
+
+def test_wheel_installs_offline_and_fine_tunes(
+    wheel_dir: pathlib.Path, tmp_path_factory: pytest.TempPathFactory
+):
+    start = time.perf_counter()
+    # Outside the checkout, whatever pytest's tmp_path is configured to.
+    venv = pathlib.Path(tmp_path_factory.mktemp("venv")) / "env"
+    assert not str(venv.resolve()).startswith(str(ROOT) + os.sep)
+    _run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)])
+    python = venv / "bin" / "python"
+    purelib = pathlib.Path(
+        _run(
+            [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]
+        ).stdout.strip()
+    )
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(python),
+            "install",
+            "--no-index",
+            "--find-links",
+            str(wheel_dir),
+            "--no-build-isolation",
+            "--no-deps",
+            "eqx_lean",
+        ],
+        env=_outside_env(),
+    )
+    # Only now the running interpreter's packages, as plain directories (their `.pth` files,
+    # such as an editable eqx_lean's, are not processed; pip, had it seen that eqx_lean's
+    # metadata, would have found the requirement satisfied); the new environment's own come
+    # first on `sys.path`.
+    ours = {sysconfig.get_paths()[k] for k in ("purelib", "platlib")}
+    (purelib / "_outer_packages.pth").write_text("\n".join(sorted(ours)) + "\n")
+    installed = time.perf_counter() - start
+    assert installed < 60, f"the offline install took {installed:.1f} s"
+    work = pathlib.Path(tmp_path_factory.mktemp("outside"))
+    done = _run([str(python), "-c", _FINETUNE], cwd=work, env=_outside_env(), timeout=300)
+    assert f"eqx_lean from {purelib.resolve()}" in done.stdout, done.stdout
+    print(done.stdout)
+
+
+def _online() -> bool:
+    try:
+        socket.create_connection(("pypi.org", 443), timeout=3).close()
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.slow
+def test_pip_install_hf_extra_from_the_index(tmp_path: pathlib.Path):
+    """`pip install ".[hf]"` in a plain virtual environment, from the package index (all of the
+    `hf` extra's dependencies downloaded), then the same fine-tuning run."""
+    if not _online():
+        pytest.skip("no network: pypi.org:443 cannot be reached, so nothing can be downloaded")
+    venv = tmp_path / "env"
+    _run([sys.executable, "-m", "venv", str(venv)])
+    python = venv / "bin" / "python"
+    _run(
+        [str(python), "-m", "pip", "install", f"{ROOT}[hf]"],
+        env=_outside_env(),
+        cwd=tmp_path,
+        timeout=1800,
+    )
+    done = _run([str(python), "-c", _FINETUNE], cwd=tmp_path, env=_outside_env(), timeout=600)
+    assert "losses" in done.stdout
