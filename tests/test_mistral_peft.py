@@ -18,15 +18,11 @@ import pytest
 from test_mistral import TINY, forward, hf_logits, hf_model, max_diff, tokens
 from test_mistral_lora import fresh_hf
 
-from eqx_lean.hf import MistralConfig, load_hf, save_hf
+from eqx_lean.hf import MistralConfig, load_adapters, load_hf, save_hf
 from eqx_lean.hf._checkpoint import abstract_model
-from eqx_lean.lora._lora import TARGETS, LoraConfig, add_lora
-from eqx_lean.lora._peft import (
-    from_peft,
-    load_adapters,
-    parse_adapter_config,
-    to_peft,
-)
+from eqx_lean.lora import LoraConfig, add_lora
+from eqx_lean.lora._lora import TARGETS
+from eqx_lean.lora._peft import from_peft, parse_adapter_config, to_peft
 from eqx_lean.lora._peft_fields import FIELDS
 
 
@@ -359,7 +355,7 @@ def test_a_kasa_adapter_is_refused_by_its_config_field(base, tmp_path):
 
 
 def test_save_hf_refuses_unmerged_adapters(base, tmp_path):
-    config = LoraConfig(r=2, target_modules=("q", "down"))
+    config = LoraConfig(r=2, target_modules=("q_proj", "down_proj"))
     model = add_lora(load_hf(base, dtype=jnp.float32), config, key=jax.random.key(0))
     with pytest.raises(ValueError, match="unmerged LoRA adapters") as error:
         save_hf(model, tmp_path / "out")
