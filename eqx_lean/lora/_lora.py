@@ -66,6 +66,8 @@ class LoraLinear(eqx.Module):
         """Applies the layer to `x` (any leading axes); dropout only when `key` is given."""
         y = linear_product(x, self.base.weight)
         bias = self.base.bias
+        if bias is not None:  # explicit leading axes: no implicit rank promotion
+            bias = bias.reshape((1,) * (y.ndim - 1) + bias.shape)
         if self.merged:
             return y if bias is None else (y + bias.astype(y.dtype)).astype(y.dtype)
         h = x.astype(self.lora_A.dtype)

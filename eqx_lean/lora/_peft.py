@@ -200,7 +200,7 @@ def save_adapters(
                 raise ValueError(
                     f"{shown} is adapted in layers {list(layer.layers)} only, but its "
                     f"{matrix} is nonzero in layers {others}, which PEFT's `target_modules` "
-                    f"{list(config.target_modules)} does not adapt."
+                    f"{config.target_modules!r} does not adapt."
                 )
             for i in layer.layers:
                 tensors[_tensor(module, matrix, i)] = array[i]
