@@ -70,8 +70,8 @@ class Model(eqx.Module):
         return self.head(h)
 
 
-def make_model(key: PRNGKeyArray = jax.random.key(0)) -> Model:
-    k1, k2 = jax.random.split(key)
+def make_model(seed: int = 0) -> Model:
+    k1, k2 = jax.random.split(jax.random.key(seed))
     layers = eqx_lean.build_stacked(lambda k: Block(key=k), jax.random.split(k1, LAYERS))
     return Model(layers, eqx.nn.Linear(DIM, 4, key=k2))
 
@@ -90,7 +90,10 @@ def randomized(model, seed: int = 1, std: float = 0.3):
     def draw(node):
         if not isinstance(node, LoraLinear):
             return node
-        a, b = (std * jax.random.normal(next(keys), m.shape, m.dtype) for m in (node.lora_A, node.lora_B))
+        a, b = (
+            std * jax.random.normal(next(keys), m.shape, m.dtype)
+            for m in (node.lora_A, node.lora_B)
+        )
         if node.layers is not None:
             keep = np.isin(np.arange(a.shape[0]), node.layers)[:, None, None]
             a, b = jnp.where(keep, a, 0), jnp.where(keep, b, 0)
@@ -166,7 +169,9 @@ def test_selection_by_type_and_the_output_head_rule():
     config = LoraConfig(target_modules="all-linear")
     with pytest.raises(ValueError, match=r"must match at least one module.*\['lm_head'\]"):
         add_lora(model, config, key=jax.random.key(1))  # `lm_head` is the head: left out
-    both = add_lora(model, LoraConfig(target_modules=".*"), key=jax.random.key(1), types=(Dense, eqx.nn.Linear))
+    both = add_lora(
+        model, LoraConfig(target_modules=".*"), key=jax.random.key(1), types=(Dense, eqx.nn.Linear)
+    )
     assert lora_paths(both) == ("['lm_head']", "['proj']")
     dense = add_lora(model, config, key=jax.random.key(1), types=(Dense,))
     assert lora_paths(dense) == ("['proj']",)
@@ -175,7 +180,9 @@ def test_selection_by_type_and_the_output_head_rule():
 
 def test_no_match_and_adapters_already_there_are_refused():
     model = make_model()
-    with pytest.raises(ValueError, match=r"\['q'\] name none; the candidates are \['head', 'layers.attn'"):
+    with pytest.raises(
+        ValueError, match=r"\['q'\] name none; the candidates are \['head', 'layers.attn'"
+    ):
         add_lora(model, LoraConfig(target_modules=("q", "attn")), key=jax.random.key(0))
     with pytest.raises(ValueError, match="must match at least one module"):
         add_lora(model, LoraConfig(target_modules="nothing"), key=jax.random.key(0))
@@ -210,7 +217,12 @@ def test_call_is_a_drop_in_for_linear_with_bias_leading_axes_and_jit():
     layer = randomized(lora)["p"]
     xs = jax.random.normal(jax.random.key(2), (2, 3, DIM))
     scale = layer.config.scale
-    want = xs @ linear.weight.T + linear.bias[None, None] + scale * (xs @ layer.lora_A.T) @ layer.lora_B.T
+    assert linear.bias is not None
+    want = (
+        xs @ linear.weight.T
+        + linear.bias[None, None]
+        + scale * (xs @ layer.lora_A.T) @ layer.lora_B.T
+    )
     np.testing.assert_allclose(layer(xs), want, rtol=1e-6, atol=1e-6)
     vector = jax.jit(lambda m, x: m(x))(layer, xs[0, 0])
     np.testing.assert_allclose(vector, want[0, 0], rtol=1e-6, atol=1e-6)
@@ -234,7 +246,9 @@ def test_dropout_only_with_a_key():
 def test_bfloat16_base_rounds_once_to_the_base_dtype():
     linear = eqx.nn.Linear(DIM, 5, key=jax.random.key(0))
     linear = jax.tree.map(lambda a: a.astype(jnp.bfloat16), linear)
-    layer = randomized(add_lora({"p": linear}, LoraConfig(r=RANK, target_modules="p"), key=jax.random.key(1)))["p"]
+    layer = randomized(
+        add_lora({"p": linear}, LoraConfig(r=RANK, target_modules="p"), key=jax.random.key(1))
+    )["p"]
     x = X.astype(jnp.bfloat16)
     y = layer(x)
     assert y.dtype == jnp.bfloat16 and layer.lora_A.dtype == jnp.float32
@@ -248,7 +262,9 @@ def test_bfloat16_base_rounds_once_to_the_base_dtype():
 
 
 def test_adapter_gradients_through_fold_equal_a_python_loop_and_are_lean():
-    lora = randomized(add_lora(make_model(), LoraConfig(r=RANK, target_modules=".*"), key=jax.random.key(1)))
+    lora = randomized(
+        add_lora(make_model(), LoraConfig(r=RANK, target_modules=".*"), key=jax.random.key(1))
+    )
     adapters, frozen = eqx.partition(lora, lora_filter(lora))
     xs = jax.random.normal(jax.random.key(4), (5, DIM))
 
@@ -278,7 +294,9 @@ def test_adapter_gradients_through_fold_equal_a_python_loop_and_are_lean():
 
 def test_merge_equals_the_adapted_forward_and_unmerge_restores_the_base():
     model = make_model()
-    lora = randomized(add_lora(model, LoraConfig(r=RANK, target_modules=".*"), key=jax.random.key(1)))
+    lora = randomized(
+        add_lora(model, LoraConfig(r=RANK, target_modules=".*"), key=jax.random.key(1))
+    )
     xs = jax.random.normal(jax.random.key(4), (5, DIM))
     want = jax.vmap(lora)(xs)
     merged = merge_lora(lora)
@@ -299,8 +317,12 @@ def test_merge_equals_the_adapted_forward_and_unmerge_restores_the_base():
 
 
 def test_merge_donates_and_bfloat16_unmerge_is_refused():
-    model = jax.tree.map(lambda a: a.astype(jnp.bfloat16) if eqx.is_inexact_array(a) else a, make_model())
-    lora = randomized(add_lora(model, LoraConfig(r=RANK, target_modules=("up",)), key=jax.random.key(1)))
+    model = jax.tree.map(
+        lambda a: a.astype(jnp.bfloat16) if eqx.is_inexact_array(a) else a, make_model()
+    )
+    lora = randomized(
+        add_lora(model, LoraConfig(r=RANK, target_modules=("up",)), key=jax.random.key(1))
+    )
     kept = merge_lora(lora, keep_adapters=True)
     assert kept.layers.mlp.up.base.weight.dtype == jnp.bfloat16
     with pytest.raises(ValueError, match=r"float32 or float64 base; \.layers\.mlp\.up is bfloat16"):
@@ -402,7 +424,9 @@ def test_peft_adapters_of_some_layers_load_train_and_save_back(tmp_path):
     assert lora_paths(lora) == (".layers.mlp.up",) and up.layers == (0, 2)
     np.testing.assert_array_equal(up.lora_A[1], 0.0)
     np.testing.assert_array_equal(up.lora_B[1], 0.0)
-    np.testing.assert_array_equal(up.lora_B[2], tensors["base_model.model.layers.2.mlp.up.lora_B.weight"])
+    np.testing.assert_array_equal(
+        up.lora_B[2], tensors["base_model.model.layers.2.mlp.up.lora_B.weight"]
+    )
     # Layer 1 runs as the base model's layer 1.
     layers = eqx_lean.unstack(lora.layers)
     base_layers = eqx_lean.unstack(model.layers)
@@ -425,21 +449,29 @@ def test_peft_adapters_of_some_layers_load_train_and_save_back(tmp_path):
     assert saved["target_modules"] == targets
     # A nonzero adapter in a layer PEFT's selection leaves out cannot be saved.
     bad = eqx.tree_at(lambda m: m.layers.mlp.up.lora_B, lora, up.lora_B.at[1].set(1.0))
-    with pytest.raises(ValueError, match=r"adapted in layers \[0, 2\] only, but its lora_B is nonzero in layers \[1\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"adapted in layers \[0, 2\] only, but its lora_B is nonzero in layers \[1\]",
+    ):
         save_adapters(bad, tmp_path / "bad", names)
 
 
 def test_peft_loads_refuse_other_modules_layers_and_tensors(tmp_path):
     model = make_model()
     write_peft(tmp_path / "q", ["q_proj"], {})
-    with pytest.raises(ValueError, match=r"adapter config field `target_modules` must name modules of `model`.*\['q_proj'\] name none"):
+    with pytest.raises(
+        ValueError,
+        match=r"field `target_modules` must name modules of `model`.*\['q_proj'\] name none",
+    ):
         load_adapters(model, tmp_path / "q", names)
     write_peft(tmp_path / "layer", ["layers.3.attn"], {})  # the model has layers 0 to 2
     with pytest.raises(ValueError, match="name none"):
         load_adapters(model, tmp_path / "layer", names)
-    extra = {"base_model.model.head.lora_A.weight": np.zeros((RANK, DIM), np.float32),
-             "base_model.model.head.lora_B.weight": np.zeros((4, RANK), np.float32),
-             "base_model.model.head.lora_magnitude_vector": np.ones(4, np.float32)}
+    extra = {
+        "base_model.model.head.lora_A.weight": np.zeros((RANK, DIM), np.float32),
+        "base_model.model.head.lora_B.weight": np.zeros((4, RANK), np.float32),
+        "base_model.model.head.lora_magnitude_vector": np.ones(4, np.float32),
+    }
     write_peft(tmp_path / "dora", ["head"], extra)
     with pytest.raises(ValueError, match="lora_magnitude_vector"):
         load_adapters(model, tmp_path / "dora", names)
@@ -525,7 +557,9 @@ def test_adapter_gradient_temporaries_on_a_bfloat16_base(remat):
             lambda k: BenchLayer(eqx.nn.Linear(BENCH_DIM, BENCH_DIM, use_bias=False, key=k))
         )(keys)
         stacked = jax.tree.map(lambda a: a.astype(jnp.bfloat16), stacked)
-        return add_lora(stacked, LoraConfig(r=BENCH_RANK, target_modules=("proj",)), key=jax.random.key(1))
+        return add_lora(
+            stacked, LoraConfig(r=BENCH_RANK, target_modules=("proj",)), key=jax.random.key(1)
+        )
 
     stacked = eqx.filter_eval_shape(build)
     adapters, frozen = eqx.partition(stacked, lora_filter(stacked))
@@ -541,4 +575,6 @@ def test_adapter_gradient_temporaries_on_a_bfloat16_base(remat):
 
     analysis = gradient.lower(adapters, frozen, x).compile().memory_analysis()
     assert analysis is not None  # XLA:CPU always reports it
-    assert analysis.temp_size_in_bytes <= HALF_THE_BFLOAT16_STACK, analysis.temp_size_in_bytes / 2**20
+    assert analysis.temp_size_in_bytes <= HALF_THE_BFLOAT16_STACK, (
+        analysis.temp_size_in_bytes / 2**20
+    )

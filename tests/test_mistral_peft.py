@@ -214,7 +214,7 @@ def test_a_truncated_config_is_refused_naming_the_file(tmp_path):
 
 # --- target_modules ----------------------------------------------------------------------------
 
-Q, K, V, O = (f".layers.self_attn.{m}_proj" for m in "qkvo")
+Q, K, V, OUT = (f".layers.self_attn.{m}_proj" for m in "qkvo")
 GATE, UP, DOWN = (f".layers.mlp.{m}_proj" for m in ("gate", "up", "down"))
 
 # Matched against the modules' HF names, layer by layer (on 3 layers): the
@@ -222,9 +222,9 @@ GATE, UP, DOWN = (f".layers.mlp.{m}_proj" for m in ("gate", "up", "down"))
 TARGET_FORMS = [
     (["q_proj", "self_attn.v_proj"], {Q: None, V: None}),
     ([f"model.layers.{i}.mlp.down_proj" for i in (1, 0)], {DOWN: (0, 1)}),
-    ([f"layers.{i}.self_attn.o_proj" for i in (0, 1, 2)] + ["up_proj"], {O: None, UP: None}),
+    ([f"layers.{i}.self_attn.o_proj" for i in (0, 1, 2)] + ["up_proj"], {OUT: None, UP: None}),
     (["0.self_attn.k_proj"], {K: (0,)}),
-    ("all-linear", {p: None for p in (Q, K, V, O, GATE, UP, DOWN)}),
+    ("all-linear", {p: None for p in (Q, K, V, OUT, GATE, UP, DOWN)}),
     (r"model\.layers\.[02]\.self_attn\.(q|v)_proj", {Q: (0, 2), V: (0, 2)}),
 ]
 

@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax.core import Tracer
 from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
@@ -179,7 +180,9 @@ def select(
     candidates = [(p, node) for p, node in flat if _is_node(types)(node)]
     named = [(p, node, module_names(p, _linear_of(node), names)) for p, node in candidates]
     every = [n for *_, ns in named for n in ns]
-    shown = sorted({dotted(jax.tree_util.keystr(p)) if names is None else ns[0] for p, _, ns in named})
+    shown = sorted(
+        {dotted(jax.tree_util.keystr(p)) if names is None else ns[0] for p, _, ns in named}
+    )
     kinds = ", ".join(t.__name__ for t in types)
     unmatched = unmatched_entries(config.target_modules, every)
     if unmatched:
@@ -208,7 +211,9 @@ def select(
         full = len(chosen) == len(module)
         sites.append(Site(path, node, None if full or weight.ndim == 2 else chosen))
     if not sites:
-        raise TargetError(f"must match at least one module of `model` ({kinds}); the candidates are {shown}")
+        raise TargetError(
+            f"must match at least one module of `model` ({kinds}); the candidates are {shown}"
+        )
     return sites
 
 
@@ -216,7 +221,7 @@ def adapter_shardings(weight: Any) -> tuple[Any, Any, Any]:
     """`A`'s and `B`'s per-layer shardings for a base `weight` (its input dim for `A`, its
     output dim for `B`, the rank replicated), and the mesh axis of the base's layer axis;
     `None`s when the base is not a concrete `NamedSharding`-sharded array."""
-    if not isinstance(weight, jax.Array) or isinstance(weight, jax.core.Tracer):
+    if not isinstance(weight, jax.Array) or isinstance(weight, Tracer):
         return None, None, None
     sharding = weight.sharding
     if not isinstance(sharding, NamedSharding):

@@ -113,7 +113,9 @@ def merge_lora(model: PyTree, *, donate: bool = False, keep_adapters: bool = Fal
             new_layer = layer if keep_adapters else layer.base
         else:
             base = _with_weight(layer.base, _folded(layer, 1.0, donate))
-            new_layer = dataclasses.replace(layer, base=base, merged=True) if keep_adapters else base
+            new_layer = (
+                dataclasses.replace(layer, base=base, merged=True) if keep_adapters else base
+            )
         new[jax.tree_util.keystr(path)] = new_layer
     if not new:
         raise ValueError("`model` must have LoRA adapters to merge (see `add_lora`); it has none.")

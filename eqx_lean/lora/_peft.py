@@ -294,7 +294,8 @@ def load_adapters(
         try:
             sites = select(model, config, types, names)
         except TargetError as error:
-            raise field_error("target_modules", error.requirement, config.target_modules, file)
+            targets = config.target_modules
+            raise field_error("target_modules", error.requirement, targets, file) from error
         like: dict[str, jax.ShapeDtypeStruct] = {}
         for site in sites:
             weight = site.module.weight
@@ -303,12 +304,16 @@ def load_adapters(
             shapes = {"lora_A": (config.r, in_features), "lora_B": (out_features, config.r)}
             for matrix, shape in shapes.items():
                 if not layers or site.layers is None:
-                    like[_tensor(module, matrix)] = jax.ShapeDtypeStruct((*layers, *shape), jnp.float32)
+                    like[_tensor(module, matrix)] = jax.ShapeDtypeStruct(
+                        (*layers, *shape), jnp.float32
+                    )
                 else:
                     for i in site.layers:
                         like[_tensor(module, matrix, i)] = jax.ShapeDtypeStruct(shape, jnp.float32)
         _check_layer_count(checkpoint, sites, names)
-        loaded = eqx_lean.load_tensors(checkpoint, like, _by_name, dtype=jnp.float32)
+        loaded: dict[str, Any] = eqx_lean.load_tensors(
+            checkpoint, like, _by_name, dtype=jnp.float32
+        )
     new = {}
     for site in sites:
         weight = site.module.weight
@@ -336,9 +341,7 @@ def _stored_layers(stored: Mapping[str, Any], prefix: str) -> int:
     return 1 + max((int(n) for n in indices if n.isdecimal()), default=-1)
 
 
-def _check_layer_count(
-    checkpoint: eqx_lean.Checkpoint, sites: list[Any], names: Names
-) -> None:
+def _check_layer_count(checkpoint: eqx_lean.Checkpoint, sites: list[Any], names: Names) -> None:
     """Adapters saved for another layer count are refused naming both counts (rather than
     by the first tensor the strict load misses or does not expect)."""
     stored = eqx_lean.checkpoint_tensors(checkpoint)

@@ -81,7 +81,7 @@ class LoraConfig:
 
     r: int = 8
     lora_alpha: float = 8
-    target_modules: str | tuple[str, ...] = ("q_proj", "v_proj")
+    target_modules: str | Sequence[str] = ("q_proj", "v_proj")  # a tuple once made
     use_rslora: bool = False
     lora_dropout: float = 0.0
 
@@ -116,7 +116,7 @@ def entry_matches(entry: str, name: str) -> bool:
     return name == entry or name.endswith("." + entry)
 
 
-def matches(targets: str | tuple[str, ...], name: str) -> bool:
+def matches(targets: str | Sequence[str], name: str) -> bool:
     """Whether `target_modules` (canonical) adapts the module named `name`."""
     if targets == ALL_LINEAR:
         return name.rsplit(".", 1)[-1] != OUTPUT_HEAD
@@ -125,7 +125,7 @@ def matches(targets: str | tuple[str, ...], name: str) -> bool:
     return any(entry_matches(entry, name) for entry in targets)
 
 
-def unmatched_entries(targets: str | tuple[str, ...], names: Sequence[str]) -> list[str]:
+def unmatched_entries(targets: str | Sequence[str], names: Sequence[str]) -> list[str]:
     """The list entries of `target_modules` that match none of `names` (none for a string)."""
     if isinstance(targets, str):
         return []
