@@ -18,15 +18,11 @@ import pytest
 from test_mistral import TINY, forward, hf_logits, hf_model, max_diff, tokens
 from test_mistral_lora import fresh_hf
 
-from eqx_lean.hf import MistralConfig, load_hf, save_hf
-from eqx_lean.hf._checkpoint import abstract_model
-from eqx_lean.lora._lora import TARGETS, LoraConfig, add_lora
-from eqx_lean.lora._peft import (
-    from_peft,
-    load_adapters,
-    parse_adapter_config,
-    to_peft,
-)
+from eqx_lean.hf import MistralConfig, load_adapters, load_hf, save_hf
+from eqx_lean.hf._checkpoint import _hf_name, abstract_model
+from eqx_lean.lora import LoraConfig, add_lora
+from eqx_lean.lora._lora import TARGETS, lora_sites
+from eqx_lean.lora._peft import from_peft, parse_adapter_config, to_peft
 from eqx_lean.lora._peft_fields import FIELDS
 
 
@@ -218,39 +214,52 @@ def test_a_truncated_config_is_refused_naming_the_file(tmp_path):
 
 # --- target_modules ----------------------------------------------------------------------------
 
+Q, K, V, OUT = (f".layers.self_attn.{m}_proj" for m in "qkvo")
+GATE, UP, DOWN = (f".layers.mlp.{m}_proj" for m in ("gate", "up", "down"))
+
+# Matched against the modules' HF names, layer by layer (on 3 layers): the
+# adapted paths, each with its adapted layers (`None`: every layer).
 TARGET_FORMS = [
-    (["q_proj", "self_attn.v_proj"], ("q_proj", "v_proj")),
-    ([f"model.layers.{i}.mlp.down_proj" for i in (1, 0)], ("down_proj",)),
-    ([f"layers.{i}.self_attn.o_proj" for i in (0, 1, 2)] + ["up_proj"], ("o_proj", "up_proj")),
-    (["0.self_attn.k_proj"], ("k_proj",)),
-    ("all-linear", tuple(ALL)),
+    (["q_proj", "self_attn.v_proj"], {Q: None, V: None}),
+    ([f"model.layers.{i}.mlp.down_proj" for i in (1, 0)], {DOWN: (0, 1)}),
+    ([f"layers.{i}.self_attn.o_proj" for i in (0, 1, 2)] + ["up_proj"], {OUT: None, UP: None}),
+    (["0.self_attn.k_proj"], {K: (0,)}),
+    ("all-linear", {p: None for p in (Q, K, V, OUT, GATE, UP, DOWN)}),
+    (r"model\.layers\.[02]\.self_attn\.(q|v)_proj", {Q: (0, 2), V: (0, 2)}),
 ]
+
+
+def adapted(targets) -> dict:
+    config = from_peft(dict(to_peft(LoraConfig()), target_modules=targets))
+    base = abstract_model(MistralConfig(**dict(SMALL, num_hidden_layers=3)))
+    model = add_lora(base, config, key=jax.random.key(0), names=_hf_name)
+    return {path: layer.layers for path, layer in lora_sites(model)}
 
 
 @pytest.mark.parametrize(("targets", "expected"), TARGET_FORMS)
 def test_target_modules_are_read_by_peft_rule(targets, expected):
-    assert from_peft(dict(to_peft(LoraConfig()), target_modules=targets)).target_modules == expected
+    got = {jax.tree_util.keystr(path): layers for path, layers in adapted(targets).items()}
+    assert got == expected
 
 
 TARGET_REFUSALS = [
     (["q"], "['q'] name none"),  # PEFT adapts no module named `q` (nor `*.q`)
-    (["lm_head", "q_proj"], "['lm_head'] name none"),
+    (["embed_tokens", "q_proj"], "['embed_tokens'] name none"),  # not a linear layer
     (["model.layers.0.mlp"], "name none"),
     (["model.layers.00.self_attn.q_proj"], "name none"),
     (["model.model.layers.0.self_attn.q_proj"], "name none"),
-    (["model.layers.1.self_attn.q_proj"], "q_proj in layers [1]"),
-    (
-        ["model.layers.0.self_attn.q_proj", "model.layers.0.mlp.up_proj", "layers.1.mlp.up_proj"],
-        "q_proj in layers [0]; up_proj in layers [0, 1]",
-    ),
+    (["model.layers.3.self_attn.q_proj"], "name none"),  # the model has layers 0 to 2
+    ("embed.*", "must match at least one module"),
 ]
 
 
 @pytest.mark.parametrize(("targets", "expected"), TARGET_REFUSALS)
-def test_target_modules_that_are_not_every_layer_of_projections_are_refused(targets, expected):
-    message = refusal(dict(to_peft(LoraConfig()), target_modules=targets))
-    assert message.startswith("adapter config field `target_modules` must")
-    assert expected in message and FILE in message
+def test_target_modules_that_name_no_module_of_the_model_are_refused(targets, expected):
+    with pytest.raises(ValueError) as error:
+        adapted(targets)
+    message = str(error.value)
+    assert message.startswith("`target_modules` must")
+    assert expected in message and "model.layers.0.self_attn.q_proj" in message
 
 
 # --- real PEFT adapters ------------------------------------------------------------------------
@@ -359,7 +368,7 @@ def test_a_kasa_adapter_is_refused_by_its_config_field(base, tmp_path):
 
 
 def test_save_hf_refuses_unmerged_adapters(base, tmp_path):
-    config = LoraConfig(r=2, target_modules=("q", "down"))
+    config = LoraConfig(r=2, target_modules=("q_proj", "down_proj"))
     model = add_lora(load_hf(base, dtype=jnp.float32), config, key=jax.random.key(0))
     with pytest.raises(ValueError, match="unmerged LoRA adapters") as error:
         save_hf(model, tmp_path / "out")

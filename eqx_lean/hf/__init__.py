@@ -5,6 +5,7 @@ Its dependencies come with the `hf` extra. The decoder families and the config r
 format in `eqx_lean.lora`.
 """
 
+from ._adapters import load_adapters as load_adapters, save_adapters as save_adapters
 from ._checkpoint import (
     abstract_model as abstract_model,
     from_hf_state_dict as from_hf_state_dict,

@@ -66,8 +66,8 @@ def _positive_int(value: Any) -> bool:
 
 
 def _targets(value: Any) -> bool:
-    if value == "all-linear":
-        return True
+    if isinstance(value, str):  # "all-linear", or a regular expression (checked by LoraConfig)
+        return bool(value)
     return isinstance(value, list) and bool(value) and all(isinstance(t, str) for t in value)
 
 
@@ -105,7 +105,9 @@ FIELDS: dict[str, Field] = {
     "inference_mode": Field(False, "must be true or false", _is_bool),
     "r": Field(8, "must be a positive integer", _positive_int),
     "target_modules": Field(
-        None, 'must be a non-empty list of module names, or "all-linear"', _targets
+        None,
+        'must be a non-empty list of module names, a regular expression, or "all-linear"',
+        _targets,
     ),
     "exclude_modules": Field(None, _not("excluding modules")),
     "lora_alpha": Field(8, "must be a positive number", lambda v: _number(v) and v > 0),
