@@ -186,8 +186,9 @@ def case_lora(preset: str, spec: str, steps: int = 5) -> dict[str, Any]:
 
     sys.path.insert(0, str(_REPO))
     from eqx_lean.hf import MistralConfig, init
+    from eqx_lean.hf._adapters import TARGETS
     from eqx_lean.hf._finetune import make_lora_step
-    from eqx_lean.lora._lora import TARGETS, LoraConfig, add_lora, lora_filter
+    from eqx_lean.lora import LoraConfig, add_lora, lora_filter
     from examples.mistral7b.train import adamw
 
     batch, seq = _shape(spec)

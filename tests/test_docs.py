@@ -308,27 +308,10 @@ PAGE_RUNS = [
 
 @pytest.mark.parametrize("page, devices", PAGE_RUNS)
 def test_first_hour_page_runs_as_written(page: str, devices: int, tmp_path: pathlib.Path):
-    if page == "docs/fine-tuning.md" and not _generic_lora():
-        pytest.xfail(
-            "the page is written for the generic LoRA API (add_lora(..., types=...) on any "
-            "Equinox model, eqx_lean.hf.save_adapters), which lands with feat/lora"
-        )
     workdir = tmp_path / "work"
     workdir.mkdir()
     skipped = run_page(page, workdir, devices)
     print("\n".join(["not run:", *skipped]))
-
-
-def _generic_lora() -> bool:
-    """Whether `eqx_lean.lora` is the generic one (any Equinox model) and `eqx_lean.hf` has the
-    decoder's PEFT I/O, as docs/fine-tuning.md uses them (asked of a fresh interpreter)."""
-    code = (
-        "import inspect, eqx_lean.hf, eqx_lean.lora\n"
-        "assert 'types' in inspect.signature(eqx_lean.lora.add_lora).parameters\n"
-        "assert hasattr(eqx_lean.hf, 'save_adapters')\n"
-    )
-    done = subprocess.run([sys.executable, "-c", code], env=_page_env(1), capture_output=True)
-    return done.returncode == 0
 
 
 def test_first_hour_pages_mark_every_block():

@@ -322,19 +322,12 @@ def test_qwen2_layer_types_and_aliases():
     "family",
     [
         "llama3",
-        pytest.param(
-            "qwen2",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="LoraLinear.project does not yet add the base Linear's bias (Qwen2's "
-                "q/k/v biases are dropped); the LoRA engineer's change fixes it",
-            ),
-        ),
+        "qwen2",
     ],
 )
 def test_peft_adapters_per_family(tmp_path, family):
     peft = pytest.importorskip("peft")
-    from eqx_lean.lora._peft import load_adapters
+    from eqx_lean.hf import load_adapters
 
     hf = write_checkpoint(tmp_path / "base", family, "v5")
     settings = dict(r=4, lora_alpha=8, init_lora_weights=False)

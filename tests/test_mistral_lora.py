@@ -22,10 +22,10 @@ from test_mistral import CONFIGS, hf_logits, hf_model, max_diff, tokens
 import examples.mistral7b.train as train_module
 from eqx_lean._core.writes import _write_slice_donated
 from eqx_lean.hf import MistralConfig, generate, init, load_adapters, load_hf, save_adapters
+from eqx_lean.hf._adapters import TARGETS
 from eqx_lean.hf._checkpoint import _hf_name, abstract_model
 from eqx_lean.hf._finetune import make_lora_step, step_memory
 from eqx_lean.lora import LoraConfig, LoraLinear, add_lora, lora_filter, lora_paths, merge_lora
-from eqx_lean.lora._lora import TARGETS
 from eqx_lean.lora._merge import _merged_layer
 from eqx_lean.lora._peft import from_peft, to_peft
 

@@ -19,9 +19,10 @@ from test_mistral import TINY, forward, hf_logits, hf_model, max_diff, tokens
 from test_mistral_lora import fresh_hf
 
 from eqx_lean.hf import MistralConfig, load_adapters, load_hf, save_hf
+from eqx_lean.hf._adapters import TARGETS
 from eqx_lean.hf._checkpoint import _hf_name, abstract_model
 from eqx_lean.lora import LoraConfig, add_lora
-from eqx_lean.lora._lora import TARGETS, lora_sites
+from eqx_lean.lora._lora import lora_sites
 from eqx_lean.lora._peft import from_peft, parse_adapter_config, to_peft
 from eqx_lean.lora._peft_fields import FIELDS
 

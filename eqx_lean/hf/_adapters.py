@@ -6,11 +6,26 @@
 """
 
 import os
+from collections.abc import Callable
+from typing import Any
 
 from jaxtyping import PyTree
 
 from ..lora import _peft
 from ._checkpoint import _hf_name
+
+
+# PEFT's module name -> (its path inside a decoder layer, the projection in a `DecoderBlock`):
+# the seven projections LoRA targets in every family this package reads.
+TARGETS: dict[str, tuple[str, Callable[[Any], Any]]] = {
+    "q_proj": ("self_attn.q_proj", lambda b: b.self_attn.q_proj),
+    "k_proj": ("self_attn.k_proj", lambda b: b.self_attn.k_proj),
+    "v_proj": ("self_attn.v_proj", lambda b: b.self_attn.v_proj),
+    "o_proj": ("self_attn.o_proj", lambda b: b.self_attn.o_proj),
+    "gate_proj": ("mlp.gate_proj", lambda b: b.mlp.gate_proj),
+    "up_proj": ("mlp.up_proj", lambda b: b.mlp.up_proj),
+    "down_proj": ("mlp.down_proj", lambda b: b.mlp.down_proj),
+}
 
 
 def save_adapters(

@@ -399,9 +399,9 @@ def save_hf(
         copy (such as the base checkpoint's tokenizer files). Not `config.json`, which this
         writes.
     """
-    from ..lora._lora import TARGETS, _lora_layers  # here: `lora` imports this module
+    from ..lora import lora_paths  # here: `eqx_lean.lora` imports `eqx_lean.hf` modules
 
-    adapted = [TARGETS[target][0] for target in _lora_layers(model)]
+    adapted = list(lora_paths(model))
     if adapted:
         raise ValueError(
             f"`model` must have plain projections to be saved as a HF checkpoint; its {adapted} "

@@ -374,28 +374,3 @@ def lora_config_of(model: PyTree) -> LoraConfig:
             f"`model`'s adapters must share one LoraConfig to be saved together; found {configs}."
         )
     return configs.pop()
-
-
-# --- the Mistral names that `eqx_lean.hf.save_hf` still reads ----------------------------------
-
-# PEFT's module name -> (its path inside a decoder layer, the projection in a `DecoderBlock`).
-TARGETS: dict[str, tuple[str, Callable[[Any], Any]]] = {
-    "q_proj": ("self_attn.q_proj", lambda b: b.self_attn.q_proj),
-    "k_proj": ("self_attn.k_proj", lambda b: b.self_attn.k_proj),
-    "v_proj": ("self_attn.v_proj", lambda b: b.self_attn.v_proj),
-    "o_proj": ("self_attn.o_proj", lambda b: b.self_attn.o_proj),
-    "gate_proj": ("mlp.gate_proj", lambda b: b.mlp.gate_proj),
-    "up_proj": ("mlp.up_proj", lambda b: b.mlp.up_proj),
-    "down_proj": ("mlp.down_proj", lambda b: b.mlp.down_proj),
-}
-
-
-def _lora_layers(model: PyTree) -> dict[str, LoraLinear]:
-    """The adapters of a HF decoder by PEFT module name (`q_proj`); any other adapter by its
-    dotted path. Kept for `save_hf`'s refusal; new code uses [`lora_paths`][]."""
-    found = {}
-    for path, layer in lora_sites(model):
-        name = dotted(jax.tree_util.keystr(path))
-        last = name.rsplit(".", 1)[-1]
-        found[last if name.startswith("layers.") and last in TARGETS else name] = layer
-    return found

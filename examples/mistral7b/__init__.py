@@ -6,7 +6,8 @@ Run from the repository root, e.g. `python -m examples.mistral7b --help`.
 
 from eqx_lean.hf import (
     MistralConfig as MistralConfig,
+    load_adapters as load_adapters,
     load_hf as load_hf,
+    save_adapters as save_adapters,
     save_hf as save_hf,
 )
-from eqx_lean.lora import load_adapters as load_adapters, save_adapters as save_adapters

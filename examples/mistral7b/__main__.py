@@ -206,10 +206,8 @@ def train_command(args: argparse.Namespace) -> None:
 
 
 def finetune_command(args: argparse.Namespace) -> None:
-    from eqx_lean.hf import FinetuneSettings, finetune, load_hf, load_rows
+    from eqx_lean.hf import FinetuneSettings, finetune, load_hf, load_rows, save_adapters
     from eqx_lean.lora import LoraConfig
-
-    save_adapters = _hf_adapter_io("save_adapters")
 
     lora_config = LoraConfig(
         r=args.rank,
@@ -220,11 +218,14 @@ def finetune_command(args: argparse.Namespace) -> None:
     )
     model = load_hf(args.checkpoint, dtype=args.dtype)
     config = model.config
+    # Documents are separated by the first end id (the tokenizer's `eos_token`), where a
+    # checkpoint lists several.
+    eos = config.eos_token_id
     rows = load_rows(
         args.data,
         args.checkpoint,
         vocab_size=config.vocab_size,
-        eos_token_id=config.eos_token_id,
+        eos_token_id=eos[0] if isinstance(eos, tuple) else eos,
         seq_len=args.seq_len,
     )
     print(f"data: {rows.shape[0]} rows of {rows.shape[1]} tokens; model {model.dtype}")
@@ -273,10 +274,8 @@ _TOKENIZER_FILES = (
 
 
 def merge_command(args: argparse.Namespace) -> None:
-    from eqx_lean.hf import load_hf, save_hf
+    from eqx_lean.hf import load_adapters, load_hf, save_hf
     from eqx_lean.lora import merge_lora
-
-    load_adapters = _hf_adapter_io("load_adapters")
 
     # The base's weights, config and tokenizer files are read from one checkpoint opened whole
     # (a save replacing it meanwhile cannot mix two), and the tokenizer files go into the same
@@ -320,15 +319,6 @@ def _target_modules(targets: list[str]) -> tuple[str, ...]:
     """PEFT's module names for the command line's short ones (`q` -> `q_proj`): `LoraConfig`'s
     `target_modules` are path suffixes, which `q` alone would not match."""
     return tuple(f"{t}_proj" if t in _ALL_TARGETS else t for t in targets)
-
-
-def _hf_adapter_io(name: str) -> Any:
-    """`eqx_lean.hf.save_adapters` or `load_adapters` (`(model, path)`: PEFT's format for the HF
-    decoder); before they exist, `eqx_lean.lora`'s Mistral-only ones of the same signature."""
-    import eqx_lean.hf
-    import eqx_lean.lora
-
-    return getattr(eqx_lean.hf, name, None) or getattr(eqx_lean.lora, name)
 
 
 def main() -> None:
