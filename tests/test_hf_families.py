@@ -5,6 +5,7 @@ ids `generate` stops at, and the refusals."""
 import json
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -318,24 +319,52 @@ def test_qwen2_layer_types_and_aliases():
         DecoderConfig(model_type="qwen2", sliding_window=None)
 
 
-@pytest.mark.parametrize(
-    "family",
-    [
-        "llama3",
-        "qwen2",
-    ],
-)
+PEFT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_peft_adapters_per_family(tmp_path, family):
     peft = pytest.importorskip("peft")
     from eqx_lean.hf import load_adapters
 
     hf = write_checkpoint(tmp_path / "base", family, "v5")
     settings = dict(r=4, lora_alpha=8, init_lora_weights=False)
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     torch.manual_seed(1)
-    adapted = peft.get_peft_model(hf, peft.LoraConfig(target_modules=targets, **settings))
+    adapted = peft.get_peft_model(hf, peft.LoraConfig(target_modules=PEFT_TARGETS, **settings))
     adapted.save_pretrained(tmp_path / "adapter")
     ids = tokens(5)
     expected = hf_logits(adapted.eval(), ids)
     model = load_adapters(load_hf(tmp_path / "base"), tmp_path / "adapter")
     assert max_diff(model(jnp.asarray(ids)), expected) < 1e-4
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_adapters_saved_here_load_in_peft_per_family(tmp_path, family):
+    """The other direction: adapters made here (B drawn nonzero, as after training) load in
+    `PeftModel` on the family's `transformers` model with the same logits."""
+    peft = pytest.importorskip("peft")
+    from eqx_lean.hf import save_adapters
+    from eqx_lean.lora import LoraConfig, LoraLinear, add_lora
+
+    write_checkpoint(tmp_path / "base", family, "v5")
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=tuple(PEFT_TARGETS))
+    model = add_lora(load_hf(tmp_path / "base"), config, key=jax.random.key(2))
+    keys = iter(jax.random.split(jax.random.key(3), 64))
+
+    def nonzero_b(node):
+        if isinstance(node, LoraLinear):
+            b = 0.3 * jax.random.normal(next(keys), node.lora_B.shape, node.lora_B.dtype)
+            return eqx.tree_at(lambda n: n.lora_B, node, b)
+        return node
+
+    model = jax.tree.map(nonzero_b, model, is_leaf=lambda n: isinstance(n, LoraLinear))
+    save_adapters(model, tmp_path / "ours")
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+    base.config._attn_implementation = "eager"
+    loaded = peft.PeftModel.from_pretrained(base, tmp_path / "ours").eval()
+    ids = tokens(6)
+    expected = hf_logits(loaded, ids)
+    assert max_diff(model(jnp.asarray(ids)), expected) < 1e-4
+    # The adapters matter (PEFT wrapped `base` in place: compare with a fresh load).
+    plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base").eval()
+    assert max_diff(expected, hf_logits(plain, ids)) > 1e-2
