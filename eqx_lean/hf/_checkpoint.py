@@ -26,11 +26,12 @@ def _layer_name(index: int | str, name: str) -> str:
 
 
 def _named_leaves(like: Mistral) -> list[tuple[str, Any]]:
-    """Every array leaf of `like` with its HF name (a template with `{i}` for a block leaf)."""
+    """Every array leaf of `like` with its HF name (a template with `{i}` for a block leaf):
+    JAX and NumPy arrays and abstract `jax.ShapeDtypeStruct`s alike."""
     return [
         (_hf_name(path, leaf), leaf)
         for path, leaf in jax.tree_util.tree_leaves_with_path(like)
-        if isinstance(leaf, jax.ShapeDtypeStruct | jax.Array)
+        if isinstance(leaf, jax.ShapeDtypeStruct) or eqx.is_array(leaf)
     ]
 
 
@@ -335,7 +336,7 @@ def _with_generation_eos(
     checkpoint: eqx_lean.Checkpoint, path: str, config: MistralConfig
 ) -> MistralConfig:
     """`config` with `generation_config.json`'s `eos_token_id`, if the checkpoint has that file
-    (as `transformers`, whose `generate` reads the generation config, not `config.json`)."""
+    and it gives one (as `transformers`, whose `generate` reads the generation config)."""
     try:
         raw = checkpoint.file(_GENERATION)
     except KeyError:  # opened by the caller without it
@@ -352,10 +353,12 @@ def _with_generation_eos(
     if not isinstance(generation, dict):
         raise ValueError(f"{where} must hold a JSON object; got a {type(generation).__name__}.")
     eos = generation.get("eos_token_id")
+    if eos is None:
+        # No end ids of its own: `config.json`'s apply (and the config stays what `save_hf`
+        # writes, so a save and a load give back an equal config).
+        return config
     if isinstance(eos, int):
         eos = [eos]
-    if eos is None:
-        eos = []
     if not isinstance(eos, list) or not all(isinstance(e, int) for e in eos):
         raise ValueError(
             f"{where} must give `eos_token_id` as an integer, a list of integers or null; "
