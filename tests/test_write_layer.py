@@ -40,6 +40,7 @@ def test_updates_in_place_and_consumes_the_stack():
     pointer = stacked.weight.unsafe_buffer_pointer()
     out = eqx_lean.write_layer(stacked, eqx.nn.Linear(3, 5, key=jax.random.key(1)), 0)
     assert out.weight.unsafe_buffer_pointer() == pointer
+    assert stacked.bias is not None
     assert stacked.weight.is_deleted() and stacked.bias.is_deleted()
 
 
@@ -53,7 +54,8 @@ def test_none_leaves_are_kept_and_not_donated():
         is_leaf=lambda x: x is None,
     )
     out = eqx_lean.write_layer(stacked, layer, 1)
-    assert out.bias is stacked.bias and not stacked.bias.is_deleted()
+    assert stacked.bias is not None and out.bias is stacked.bias
+    assert not stacked.bias.is_deleted()
     np.testing.assert_array_equal(bits(out.bias), bits(bias))
 
 
@@ -78,6 +80,7 @@ def test_bad_arguments_are_named_and_nothing_is_written():
     ):
         eqx_lean.write_layer(stacked, wrong, 0)
     # A refused write donated nothing: the stack is still whole.
+    assert stacked.bias is not None
     assert not stacked.weight.is_deleted() and not stacked.bias.is_deleted()
     with pytest.raises(ValueError, match="must have a leading layer axis"):
         eqx_lean.write_layer(jnp.float32(1.0), jnp.float32(2.0), 0)
