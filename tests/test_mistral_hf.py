@@ -1,6 +1,6 @@
-"""The Mistral example's `load_hf` (`examples/mistral7b/hf.py`) refuses a checkpoint whose
+"""`eqx_lean.hf.load_hf` (`eqx_lean/hf/_checkpoint.py`) refuses a checkpoint whose
 config does not describe its weights, and tensors it would not load; `strict=False` opts out.
-Also `MistralConfig.from_json`'s messages (`examples/mistral7b/config.py`)."""
+Also `MistralConfig.from_json`'s messages (`eqx_lean/hf/_config.py`)."""
 
 import dataclasses
 import json
