@@ -2,6 +2,7 @@
 both `config.json` forms, saving back, the per-layer attention window, tied embeddings, the end
 ids `generate` stops at, and the refusals."""
 
+import dataclasses
 import json
 from typing import Any
 
@@ -368,3 +369,13 @@ def test_adapters_saved_here_load_in_peft_per_family(tmp_path, family):
     # The adapters matter (PEFT wrapped `base` in place: compare with a fresh load).
     plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base").eval()
     assert max_diff(expected, hf_logits(plain, ids)) > 1e-2
+
+
+def test_generation_end_ids_are_not_part_of_the_model_config():
+    """`generation_config.json`'s end ids change what `generate` stops at, not the model: a
+    save and a load beside any generation file give back an equal (and equally hashed) config,
+    so no compiled program is told apart by them."""
+    plain = DecoderConfig(model_type="llama", sliding_window=None, eos_token_id=(2,))
+    with_generation = dataclasses.replace(plain, generation_eos_token_id=())
+    assert with_generation == plain and hash(with_generation) == hash(plain)
+    assert with_generation.stop_token_ids == () and plain.stop_token_ids == (2,)

@@ -336,7 +336,7 @@ def _with_generation_eos(
     checkpoint: eqx_lean.Checkpoint, path: str, config: MistralConfig
 ) -> MistralConfig:
     """`config` with `generation_config.json`'s `eos_token_id`, if the checkpoint has that file
-    and it gives one (as `transformers`, whose `generate` reads the generation config)."""
+    (as `transformers`, whose `generate` reads the generation config, not `config.json`)."""
     try:
         raw = checkpoint.file(_GENERATION)
     except KeyError:  # opened by the caller without it
@@ -353,12 +353,10 @@ def _with_generation_eos(
     if not isinstance(generation, dict):
         raise ValueError(f"{where} must hold a JSON object; got a {type(generation).__name__}.")
     eos = generation.get("eos_token_id")
-    if eos is None:
-        # No end ids of its own: `config.json`'s apply (and the config stays what `save_hf`
-        # writes, so a save and a load give back an equal config).
-        return config
     if isinstance(eos, int):
         eos = [eos]
+    if eos is None:
+        eos = []  # no end ids: transformers' `generate` then never stops
     if not isinstance(eos, list) or not all(isinstance(e, int) for e in eos):
         raise ValueError(
             f"{where} must give `eos_token_id` as an integer, a list of integers or null; "

@@ -35,7 +35,9 @@ class MistralConfig:
     rotary embeddings) or a `Llama3Rope` (`eqx_lean.hf._rope`). With `tie_word_embeddings` the
     head is the embedding matrix itself (Llama and Qwen2; Mistral's head is untied). An
     `eos_token_id` is an id or a tuple of ids; `generation_eos_token_id`, when not `None`, is
-    `generation_config.json`'s (which [`generate`][] prefers, as `transformers` does).
+    `generation_config.json`'s (which [`generate`][] prefers, as `transformers` does; `()`
+    when that file names none: `transformers` then never stops). It is not compared: configs
+    that differ only there are equal.
     """
 
     vocab_size: int = 32000
@@ -60,7 +62,10 @@ class MistralConfig:
     mlp_bias: bool = False
     tie_word_embeddings: bool = False
     layer_types: tuple[str, ...] | None = None
-    generation_eos_token_id: tuple[int, ...] | None = None
+    # Generation metadata from `generation_config.json`, not the model's `config.json`: it
+    # changes no compiled program (`generate` applies it in Python) and `save_hf` does not
+    # write it, so equal models compare equal whatever generation file sits beside them.
+    generation_eos_token_id: tuple[int, ...] | None = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self):
         positive = (
