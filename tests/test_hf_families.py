@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import safetensors.numpy
+from test_mistral import hf_logits, max_diff, randomized
 
 from eqx_lean.hf import MistralConfig, generate, init, load_hf, save_hf
 from eqx_lean.hf._config import DecoderConfig
@@ -124,27 +125,11 @@ def hf_model(family: str, seed: int = 0, **overrides):
     config = getattr(transformers, class_name)(**(kwargs | overrides))
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.copy_(1.0 + 0.5 * torch.randn_like(param))
-            else:
-                param.normal_(0.0, 0.2)
-    return model
-
-
-def hf_logits(model, input_ids: np.ndarray) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.from_numpy(np.asarray(input_ids, np.int64))).logits.float().numpy()
+    return randomized(transformers.AutoModelForCausalLM.from_config(config))
 
 
 def tokens(seed: int, batch: int = 2, seq: int = SEQ) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 128, (batch, seq)).astype(np.int32)
-
-
-def max_diff(a, b) -> float:
-    return float(np.max(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32))))
 
 
 def write_checkpoint(path, family: str, form: str, **overrides):

@@ -48,14 +48,20 @@ def hf_model(seed: int = 0, **overrides):
     config = transformers.MistralConfig(**overrides, rope_theta=10000.0)
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
-    model = transformers.MistralForCausalLM(config).eval()
+    return randomized(transformers.MistralForCausalLM(config))
+
+
+def randomized(model):
+    """`model` (any HF decoder) in eval mode, its matrices and biases redrawn with std 0.2 and
+    its norm weights around 1 from torch's current random state, so logits are far from
+    trivial."""
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.copy_(1.0 + 0.5 * torch.randn_like(param))
             else:
                 param.normal_(0.0, 0.2)
-    return model
+    return model.eval()
 
 
 def hf_logits(model, input_ids: np.ndarray) -> np.ndarray:
