@@ -4,7 +4,7 @@ eqx_lean's platform tricks (Threefry lowered unrolled, loop-invariant code motio
 the writes, floating rows written as unsigned-integer bits, scan's optimisation barrier) were
 measured on XLA:CPU. This script compiles each program twice, for this process's CPU and for a
 compile-only H100 (`jax.experimental.topologies` with XLA's `h100_sxm.txtpb` device
-description, `benchmarks/data/`), and prints XLA's `memory_analysis()` (temporary and output
+description, `eqx_lean/_memory/gpu_specs/`), and prints XLA's `memory_analysis()` (temporary and output
 bytes), the compile time, and a hash of the optimised program (equal hashes: the same compiled
 program, so a trick that leaves it unchanged does nothing there). Nothing runs: the H100 figures
 are XLA's plan, not a measured peak.
@@ -37,7 +37,7 @@ from typing import Any, NamedTuple
 
 _REPO = Path(__file__).resolve().parents[1]
 _DEFAULT_CUDA_PYTHON = "/work/venvs/jax-cuda/bin/python"
-_DEFAULT_TARGET_CONFIG = _REPO / "benchmarks" / "data" / "h100_sxm.txtpb"
+_DEFAULT_TARGET_CONFIG = _REPO / "eqx_lean" / "_memory" / "gpu_specs" / "h100_sxm.txtpb"
 _WORKER_ENV = {
     "JAX_PLATFORMS": "cpu",
     "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1",

@@ -7,8 +7,12 @@ from ._memory import (
     LiveArrayReport as LiveArrayReport,
     Measurement as Measurement,
     MemoryEstimate as MemoryEstimate,
+    Plan as Plan,
+    Target as Target,
     describe as describe,
     estimate as estimate,
     live_arrays as live_arrays,
     measure as measure,
+    plan as plan,
+    target as target,
 )

@@ -8,3 +8,5 @@ from .live import (
     live_arrays as live_arrays,
 )
 from .measurements import Measurement as Measurement, measure as measure
+from .plans import Plan as Plan, plan as plan
+from .targets import Target as Target, target as target

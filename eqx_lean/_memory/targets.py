@@ -1,0 +1,310 @@
+"""Compile-only targets: N GPUs or a TPU slice that XLA compiles for, on a machine without them."""
+
+import dataclasses
+import functools
+import os
+import re
+from collections.abc import Sequence
+from pathlib import Path
+
+import jax
+from jax.sharding import Mesh
+
+
+_GPU_SPECS_DIR = Path(__file__).parent / "gpu_specs"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Gpu:
+    spec_file: str  # XLA's device description, in `gpu_specs/`
+    hbm_bytes: int  # its `device_memory_size`
+
+
+# Each GPU's description is XLA's own (`gpu_specs/`, Apache-2.0, attributed in each file).
+_GPUS = {
+    "h100": _Gpu("h100_sxm.txtpb", 84978434048),
+    "a100-40gb": _Gpu("a100_sxm_40.txtpb", 42331013120),
+    "a100-80gb": _Gpu("a100_sxm_80.txtpb", 85100068864),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tpu:
+    name: str  # as `get_topology_desc` names the generation
+    megacore: bool  # one device per chip (two TensorCores), and a slice's number counts cores
+    three_d: bool  # chips in a 3-D torus
+    hbm_bytes: int  # per device, as sold
+    compiler_bytes: int  # the most XLA lets one program use per device
+
+
+# `compiler_bytes`: the largest output a program may have on one device before XLA's TPU compiler
+# refuses it with RESOURCE_EXHAUSTED, found by bisection with libtpu 0.0.42.1
+# (`benchmarks/tpu_hbm.py`). A test checks each against the figure XLA's refusal prints.
+_TPUS = {
+    "v2": _Tpu("v2", False, False, 8 * 2**30, 8034140160),
+    "v3": _Tpu("v3", False, False, 16 * 2**30, 16624075776),
+    "v4": _Tpu("v4", True, True, 32 * 2**30, 33014367232),
+    "v5e": _Tpu("v5e", False, False, 16 * 2**30, 16909283328),
+    "v5p": _Tpu("v5p", True, True, 96 * 2**30, 102803369984),
+    "v6e": _Tpu("v6e", False, False, 32 * 2**30, 33550180352),
+}
+
+# Chips per slice -> the torus shape `get_topology_desc` takes, as the slices are sold.
+_TORUS_2D = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16"}
+_TORUS_2D |= {256: "16x16", 512: "16x32", 1024: "32x32"}
+_TORUS_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8"}
+_TORUS_3D |= {256: "4x8x8", 512: "8x8x8", 1024: "8x8x16", 2048: "8x16x16", 4096: "16x16x16"}
+
+_MEM_FRACTION_VARIABLES = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")
+_DEFAULT_GPU_FRACTION = 0.75  # what JAX's GPU client takes without either variable
+
+KNOWN_SPECS = (
+    '"cpu"; GPUs "h100", "a100-40gb", "a100-80gb" as "<gpu>", "<N>x<gpu>" (N GPUs in one host) or '
+    '"<H>x<N>x<gpu>" (H hosts of N); TPU slices as MaxText names them: "v2-<cores>", "v3-<cores>", '
+    '"v4-<cores>", "v5p-<cores>" (TensorCores; devices are megacore chips for v4 and v5p), '
+    '"v5e-<chips>", "v6e-<chips>"'
+)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Target:
+    """Devices to plan for: compile-only GPUs or TPUs, or this machine's CPU devices.
+
+    Made by [`eqx_lean.memory.target`][]. XLA compiles for its devices as it would on the real
+    hardware; nothing can run on them (`memory_stats()` fails on them), so their memory comes
+    from tables.
+
+    **Attributes:**
+
+    - `spec`: the spec it was made from, such as `"8xh100"` or `"v5e-16"`.
+    - `devices`: the devices, as a tuple of `jax.Device`.
+    - `platform`: as `jax.Device.platform` says: `"gpu"`, `"tpu"` or `"cpu"`.
+    - `device_kind`: as `jax.Device.device_kind` says, such as `"NVIDIA H100 80GB HBM3"`.
+    - `hbm_bytes`: one device's memory as specified (GPU: XLA's `device_memory_size`; TPU: the
+        HBM per device as sold; CPU: this machine's physical memory).
+    - `device_memory`: the bytes one process can use on one device. GPU: `hbm_bytes` times the
+        fraction JAX's allocator takes (`XLA_CLIENT_MEM_FRACTION`, or the deprecated
+        `XLA_PYTHON_CLIENT_MEM_FRACTION`, default 0.75; `memory_fraction=` overrides both). TPU:
+        what XLA's compiler lets one program use (15.75 GiB on v5e). CPU: physical memory shared
+        evenly by the CPU devices.
+    """
+
+    spec: str
+    devices: tuple[jax.Device, ...]
+    platform: str
+    device_kind: str
+    hbm_bytes: int
+    device_memory: int
+
+    def mesh(self, axis_shapes: Sequence[int], axis_names: Sequence[str], **kwargs) -> Mesh:
+        """A `Mesh` over all of this target's devices, as `jax.make_mesh` makes one.
+
+        Axis types are `jax.make_mesh`'s defaults (pass `axis_types=` to choose): with
+        `Explicit` axes, code whose products would shard one mesh axis twice needs
+        `out_sharding=` (or an `Auto` mesh), as it would on the real devices.
+
+        **Arguments:**
+
+        - `axis_shapes`: the size of each axis; their product must be `len(target.devices)`.
+        - `axis_names`: the name of each axis.
+        - `**kwargs`: passed on to `jax.make_mesh` (`axis_types=`).
+
+        **Returns:**
+
+        A `jax.sharding.Mesh`.
+        """
+        total = 1
+        for n in axis_shapes:
+            total *= int(n)
+        if total != len(self.devices):
+            raise ValueError(
+                f"axis_shapes {tuple(axis_shapes)} hold {total} devices; target {self.spec!r} "
+                f"has {len(self.devices)}: their product must equal the number of devices."
+            )
+        return jax.make_mesh(tuple(axis_shapes), tuple(axis_names), devices=self.devices, **kwargs)
+
+    def __repr__(self) -> str:
+        gib = 2**30
+        return (
+            f"Target({self.spec!r}: {len(self.devices)} x {self.device_kind} ({self.platform}), "
+            f"{self.device_memory / gib:.2f} GiB usable of {self.hbm_bytes / gib:.2f} GiB each)"
+        )
+
+
+def target(spec: str, *, memory_fraction: float | None = None) -> Target:
+    """Devices to plan memory for: N GPUs or a TPU slice, compiled for from any machine.
+
+    ```python
+    h100s = eqx_lean.memory.target("8xh100")
+    mesh = h100s.mesh((8,), ("fsdp",))
+    print(eqx_lean.memory.plan(step, params, batch, target=h100s))
+    ```
+
+    GPUs need the `plan-gpu` extra (JAX's CUDA plugin, no NVIDIA libraries), TPUs the
+    `plan-tpu` extra (libtpu). The CUDA plugin compiles for GPUs it does not have only if the
+    process started with `JAX_PLATFORMS=cpu` (or `JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1`) set before
+    JAX's first computation; eqx_lean never sets either itself, and says so where one is missing.
+    `python -m eqx_lean.memory` runs a plan in a fresh process with them set.
+
+    The same spec (and memory fraction) gives the same `Target` for the life of the process, so
+    meshes and shardings made from it stay compatible.
+
+    **Arguments:**
+
+    - `spec`: `"cpu"` (this machine's CPU devices); `"h100"`, `"a100-40gb"` or `"a100-80gb"`,
+        alone, as `"<N>x<gpu>"` (N GPUs in one host, such as `"8xh100"`) or as `"<H>x<N>x<gpu>"`
+        (H hosts of N GPUs, such as `"4x8xh100"`); or a TPU slice as MaxText names it:
+        `"v4-8"`, `"v5p-128"` (the number counts TensorCores; devices are megacore chips, two
+        cores each), `"v5e-16"`, `"v6e-256"` (the number counts chips), `"v2-8"`, `"v3-8"`
+        (cores; one device per core).
+    - `memory_fraction`: GPU only: the fraction of each GPU's memory one process can use,
+        instead of the one the allocator variables give.
+
+    **Returns:**
+
+    A [`eqx_lean.memory.Target`][].
+    """
+    if not isinstance(spec, str):
+        raise TypeError(f"spec must be a string such as '8xh100' or 'v5e-16', got {spec!r}.")
+    spec = spec.strip().lower()
+    if memory_fraction is not None and not 0 < memory_fraction <= 1:
+        raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction!r}.")
+    gpu = _parse_gpu(spec)
+    if gpu is not None:
+        return _gpu_target(spec, *gpu, _gpu_fraction(memory_fraction))
+    if memory_fraction is not None:
+        raise ValueError(f"memory_fraction applies to GPU targets only, not {spec!r}.")
+    if spec == "cpu":
+        return _cpu_target()
+    tpu = _parse_tpu(spec)
+    if tpu is not None:
+        return _tpu_target(spec, *tpu)
+    raise ValueError(f"Unknown target spec {spec!r}. Known specs: {KNOWN_SPECS}.")
+
+
+def _parse_gpu(spec: str) -> tuple[str, int, int] | None:
+    match = re.fullmatch(r"(?:(\d+)x)?(?:(\d+)x)?([a-z0-9-]+)", spec)
+    if match is None or match.group(3) not in _GPUS:
+        return None
+    first, second, name = match.groups()
+    hosts, per_host = (int(first), int(second)) if second else (1, int(first or 1))
+    if hosts < 1 or per_host < 1:
+        raise ValueError(f"Target spec {spec!r} asks for no GPUs; counts must be at least 1.")
+    return name, hosts, per_host
+
+
+def _parse_tpu(spec: str) -> tuple[_Tpu, int] | None:
+    match = re.fullmatch(r"(v\d+[a-z]*)-(\d+)", spec)
+    if match is None or match.group(1) not in _TPUS:
+        return None
+    return _TPUS[match.group(1)], int(match.group(2))
+
+
+def _gpu_fraction(memory_fraction: float | None) -> float:
+    if memory_fraction is not None:
+        return float(memory_fraction)
+    for variable in _MEM_FRACTION_VARIABLES:
+        value = os.environ.get(variable)
+        if value is not None:
+            try:
+                fraction = float(value)
+            except ValueError:
+                raise ValueError(f"{variable}={value!r} is not a number in (0, 1].") from None
+            if not 0 < fraction <= 1:
+                raise ValueError(f"{variable}={value!r} must be in (0, 1].")
+            return fraction
+    return _DEFAULT_GPU_FRACTION
+
+
+@functools.cache
+def _gpu_target(spec: str, name: str, hosts: int, per_host: int, fraction: float) -> Target:
+    gpu = _GPUS[name]
+    devices = _topology_devices(
+        "cuda",
+        f"1x{hosts}x{per_host}",
+        target_config=(_GPU_SPECS_DIR / gpu.spec_file).read_text(),
+    )
+    return Target(
+        spec=spec,
+        devices=devices,
+        platform="gpu",
+        device_kind=devices[0].device_kind,
+        hbm_bytes=gpu.hbm_bytes,
+        device_memory=int(gpu.hbm_bytes * fraction),
+    )
+
+
+@functools.cache
+def _tpu_target(spec: str, tpu: _Tpu, count: int) -> Target:
+    chips, remainder = divmod(count, 2) if tpu.megacore or tpu.name in ("v2", "v3") else (count, 0)
+    shapes = _TORUS_3D if tpu.three_d else _TORUS_2D
+    if remainder or chips not in shapes:
+        sizes = sorted(n * (2 if tpu.megacore or tpu.name in ("v2", "v3") else 1) for n in shapes)
+        raise ValueError(
+            f"Unknown {tpu.name} slice {spec!r}: the number after the dash must be one of "
+            f"{', '.join(map(str, sizes))}."
+        )
+    kwargs = {"chip_config_name": "megacore"} if tpu.megacore else {}
+    devices = _topology_devices("tpu", f"{tpu.name}:{shapes[chips]}", **kwargs)
+    return Target(
+        spec=spec,
+        devices=devices,
+        platform="tpu",
+        device_kind=devices[0].device_kind,
+        hbm_bytes=tpu.hbm_bytes,
+        device_memory=tpu.compiler_bytes,
+    )
+
+
+@functools.cache
+def _cpu_target() -> Target:
+    devices = tuple(jax.devices("cpu"))
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return Target(
+        spec="cpu",
+        devices=devices,
+        platform="cpu",
+        device_kind=devices[0].device_kind,
+        hbm_bytes=physical,
+        device_memory=physical // len(devices),
+    )
+
+
+def _topology_devices(platform: str, topology: str, **kwargs) -> tuple[jax.Device, ...]:
+    from jax.experimental import topologies
+
+    extra = "plan-gpu" if platform == "cuda" else "plan-tpu"
+    try:
+        if platform == "cuda":
+            desc = topologies.get_topology_desc(platform="cuda", topology=topology, **kwargs)
+        else:
+            desc = topologies.get_topology_desc(topology, platform="tpu", **kwargs)
+    except NotImplementedError as error:
+        if not _cuda_plugin_installed():
+            raise _missing_extra(extra) from error
+        raise RuntimeError(
+            "JAX's CUDA plugin is installed but cannot compile for GPUs this machine lacks: "
+            "start the process with JAX_PLATFORMS=cpu (or JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1) in "
+            "its environment, set before JAX's first computation (setting it later has no "
+            "effect), or use `python -m eqx_lean.memory`, which plans in a fresh process with it "
+            "set."
+        ) from error
+    except RuntimeError as error:
+        if "not installed" in str(error):
+            raise _missing_extra(extra) from error
+        raise
+    return tuple(desc.devices)
+
+
+def _cuda_plugin_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+
+
+def _missing_extra(extra: str) -> ImportError:
+    what = "GPUs needs JAX's CUDA plugin" if extra == "plan-gpu" else "TPUs needs libtpu"
+    return ImportError(
+        f"Planning for {what}: install eqx_lean's `{extra}` extra "
+        f"(`pip install 'eqx_lean[{extra}]'`), pinned to the JAX version eqx_lean is tested with."
+    )
