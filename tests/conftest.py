@@ -1,5 +1,12 @@
-import jax
-import pytest
+import os
+
+
+# The suite runs on CPU (its tolerances are XLA:CPU's). Set before JAX starts: JAX's CUDA plugin
+# (the `plan-gpu` extra) compiles for GPUs this machine lacks only in a process started so.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
 
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")

@@ -96,16 +96,15 @@ def _struct_on(x: Any, where: Target, path: str) -> jax.ShapeDtypeStruct:
     if isinstance(x, np.ndarray | np.generic):
         sharding = None
     devices = set(where.devices)
-    if sharding is None or (
-        isinstance(sharding, SingleDeviceSharding) and not sharding.device_set <= devices
-    ):
+    if sharding is None or (len(sharding.device_set) == 1 and not sharding.device_set <= devices):
         # Unsharded (or on one device of another platform, as any concrete array here is):
         # placed on the target's first device, as a single-device program would be.
         sharding = SingleDeviceSharding(where.devices[0])
     elif not sharding.device_set <= devices:
         raise ValueError(
-            f"The sharding of argument leaf {path} is over devices that are not target "
-            f"{where.spec!r}'s: make it on `target.mesh(...)` (or a device in `target.devices`)."
+            f"The sharding of argument leaf {path} is over devices that target "
+            f"{where.spec!r} does not have: make it on `target.mesh(...)` (or a device in "
+            "`target.devices`)."
         )
     weak = getattr(x, "weak_type", False)
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding, weak_type=weak)
@@ -174,7 +173,8 @@ def _check_constants(fn: Callable, consts: Sequence[Any]) -> None:
         return
     named = {_identity(v): name for name, v in _closure_values(fn) if eqx.is_array(v)}
     what = ", ".join(
-        f"{named.get(_identity(c), 'an array')} ({c.dtype}{list(c.shape)}, {format_bytes(c.nbytes)})"
+        f"{named.get(_identity(c), 'an array')} "
+        f"({c.dtype}{list(c.shape)}, {format_bytes(c.nbytes)})"
         for c in large
     )
     raise ValueError(
@@ -329,4 +329,3 @@ def _refused_plan(
         refused=refused,
         compile_seconds=seconds,
     )
-
