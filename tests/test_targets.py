@@ -165,7 +165,7 @@ def test_missing_plugin_names_the_extra(monkeypatch):
 
     monkeypatch.setattr(topologies, "get_topology_desc", unavailable)
     monkeypatch.setattr(targets_module, "_cuda_plugin_installed", lambda: False)
-    with pytest.raises(ImportError, match=r"eqx_lean\[plan-gpu\]"):
+    with pytest.raises(ImportError, match=r'pip install "\.\[plan-gpu\]"'):
         targets_module._topology_devices("cuda", "1x1x3")
 
 

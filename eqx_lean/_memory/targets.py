@@ -304,7 +304,12 @@ def _cuda_plugin_installed() -> bool:
 
 def _missing_extra(extra: str) -> ImportError:
     what = "GPUs needs JAX's CUDA plugin" if extra == "plan-gpu" else "TPUs needs libtpu"
+    hint = (
+        'from the root of the eqx_lean checkout, `pip install ".[plan-gpu]"`'
+        if extra == "plan-gpu"
+        else 'from the root of the eqx_lean checkout, `pip install ".[plan-tpu]"`'
+    )
     return ImportError(
-        f"Planning for {what}: install eqx_lean's `{extra}` extra "
-        f"(`pip install 'eqx_lean[{extra}]'`), pinned to the JAX version eqx_lean is tested with."
+        f"Planning for {what}, which eqx_lean's `{extra}` extra installs, pinned to the JAX "
+        f"version eqx_lean is tested with: {hint}."
     )
