@@ -5,6 +5,7 @@ from ._memory import (
     LeafReport as LeafReport,
     LiveArrayGroup as LiveArrayGroup,
     LiveArrayReport as LiveArrayReport,
+    LoadPlan as LoadPlan,
     Measurement as Measurement,
     MemoryEstimate as MemoryEstimate,
     Plan as Plan,
@@ -14,5 +15,6 @@ from ._memory import (
     live_arrays as live_arrays,
     measure as measure,
     plan as plan,
+    plan_load as plan_load,
     target as target,
 )

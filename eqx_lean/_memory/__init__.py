@@ -7,6 +7,7 @@ from .live import (
     LiveArrayReport as LiveArrayReport,
     live_arrays as live_arrays,
 )
+from .load_plans import LoadPlan as LoadPlan, plan_load as plan_load
 from .measurements import Measurement as Measurement, measure as measure
 from .plans import Plan as Plan, plan as plan
 from .targets import Target as Target, target as target

@@ -10,7 +10,7 @@ from typing import Any
 import equinox as eqx
 import jax
 from jax.extend import core as jcore
-from jax.sharding import Mesh, Sharding
+from jax.sharding import Mesh, NamedSharding, Sharding, SingleDeviceSharding
 from jaxtyping import PRNGKeyArray
 
 from .. import _core
@@ -173,8 +173,24 @@ def _vmapped_leaves(make_layer: Callable[[PRNGKeyArray], Any]) -> Callable[[Any]
     return vmapped
 
 
-def _struct_of(aval: Any) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=getattr(aval, "weak_type", False))
+def _struct_of(aval: Any, device: Sharding | None = None) -> jax.ShapeDtypeStruct:
+    weak = getattr(aval, "weak_type", False)
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=weak, sharding=device)
+
+
+def _first_device(shardings: Sequence[Sharding | None]) -> SingleDeviceSharding | None:
+    """Where the unsharded `filter_vmap` rows run: the first device of the build's shardings.
+
+    The first device of the mesh for a named sharding (the lowest id otherwise), so that their
+    programs are compiled for the platform the build targets (compile-only devices included);
+    `None` (the default device) without a sharding.
+    """
+    for sharding in shardings:
+        if isinstance(sharding, NamedSharding) and isinstance(sharding.mesh, Mesh):
+            return SingleDeviceSharding(sharding.mesh.devices.flat[0])
+        if sharding is not None:
+            return SingleDeviceSharding(min(sharding.device_set, key=lambda d: d.id))
+    return None
 
 
 # Below this, a dispatched operation's XLA temporaries are not worth a compilation to find out.
@@ -189,7 +205,7 @@ def _dispatch_key(eqn: Any) -> Any | None:
     return (eqn.primitive.name, str(eqn.params), structs)
 
 
-def _lower_dispatch(eqn: Any) -> Any | None:
+def _lower_dispatch(eqn: Any, device: Sharding | None) -> Any | None:
     """Lowers one operation on its own, as eager JAX dispatches it; `None` if it cannot be."""
 
     def dispatch(*values):
@@ -197,7 +213,7 @@ def _lower_dispatch(eqn: Any) -> Any | None:
         args = [v.val if isinstance(v, jcore.Literal) else next(it) for v in eqn.invars]
         return eqn.primitive.bind(*args, **eqn.params)
 
-    structs = [_struct_of(v.aval) for v in eqn.invars if not isinstance(v, jcore.Literal)]
+    structs = [_struct_of(v.aval, device) for v in eqn.invars if not isinstance(v, jcore.Literal)]
     try:
         return jax.jit(dispatch).lower(*structs)
     except Exception:
@@ -205,13 +221,14 @@ def _lower_dispatch(eqn: Any) -> Any | None:
         return None
 
 
-def _eager_dispatches(jaxpr: Any) -> dict[Any, Any]:
-    """Each distinct operation worth compiling on its own, lowered, by `_dispatch_key`."""
+def _eager_dispatches(jaxpr: Any, device: Sharding | None) -> dict[Any, Any]:
+    """Each distinct operation worth compiling on its own, lowered on `device`, by
+    `_dispatch_key`."""
     lowered = {}
     for eqn in jaxpr.eqns:
         key = _dispatch_key(eqn)
         if key is not None and key not in lowered:
-            lowered[key] = _lower_dispatch(eqn)
+            lowered[key] = _lower_dispatch(eqn, device)
     return {key: x for key, x in lowered.items() if x is not None}
 
 
@@ -293,13 +310,23 @@ def estimate(
     ```
 
     Nothing is executed: `make_layer` is traced on abstract keys and the programs are compiled
-    only. On CPU the peaks include a measured allowance for the host memory that compiling and
+    only. Every row is compiled for the devices the build targets, compile-only devices
+    included: pass `mesh=target.mesh(...)` (or a sharding on one of `target.devices`) of an
+    [`eqx_lean.memory.target`][] to plan for GPUs or TPUs this machine lacks. The `filter_vmap`
+    rows run unsharded on one device, so they are compiled for the first device of the build's
+    shardings (the mesh's first device), or the default device without a sharding.
+
+    On CPU the peaks include a measured allowance for the host memory that compiling and
     glibc's allocator leave resident (`runtime_overhead` for `build_stacked`); they predict the
-    resident memory over idle of a fresh process. On accelerators they are XLA's figures.
+    resident memory over idle of a fresh process. On accelerators they are XLA's figures alone.
+    There the eager row is a lower bound: each dispatched operation is lowered for the target
+    and its temporaries read, but it models neither values that Python references keep alive
+    nor the fragmentation of the device allocator.
 
     **Arguments:**
 
     - `make_layer`, `keys`, `dtype`, `sharding`, `mesh`: as for [`eqx_lean.build_stacked`][].
+        `sharding` may also be one sharding on one device of a target.
 
     **Returns:**
 
@@ -307,13 +334,17 @@ def estimate(
     """
     plan = _core.plan_build(make_layer, keys, dtype, sharding, mesh)
     vmapped = _vmapped_leaves(make_layer)
-    key_struct = _struct_of(keys)
+    device = _first_device(plan.shardings)
+    key_struct = _struct_of(keys, device)
     jaxpr = jax.make_jaxpr(vmapped)(key_struct).jaxpr
 
     def vmap_and_cast(keys):
         return _cast_leaves(vmapped(keys), plan.structs)
 
-    lowered = {**_eager_dispatches(jaxpr), "jit_vmap": jax.jit(vmap_and_cast).lower(key_struct)}
+    lowered = {
+        **_eager_dispatches(jaxpr, device),
+        "jit_vmap": jax.jit(vmap_and_cast).lower(key_struct),
+    }
     writes, compiled = _compile_side_by_side(plan, lowered)
     jitted = compiled.pop("jit_vmap").memory_analysis()
     dispatch_temps = {k: c.memory_analysis().temp_size_in_bytes for k, c in compiled.items()}

@@ -1,0 +1,258 @@
+"""The memory of a load on a target, planned from the checkpoint's headers and compiled writes."""
+
+import dataclasses
+import math
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, Sharding, SingleDeviceSharding
+
+from .._core import DtypePolicy, LayerAxis, ShardingPolicy, check_dtype_policy
+from .._core.chunk_writes import ALIGN
+from .._core.chunks import ChunkGroup, Target as ChunkTarget, lower_chunk_write, plan_chunks
+from .._io.checks import check_layers, check_tensors, check_unmapped, select_layers
+from .._io.load import _CHUNK_BYTES, _plan_leaves, opened
+from .._io.snapshot import Checkpoint
+from .table import format_bytes, table
+from .targets import Target, target as make_target
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadPlan:
+    """The memory a load needs on a target, per device and per process.
+
+    Returned by [`eqx_lean.memory.plan_load`][]; `print` it for a table.
+
+    **Attributes:**
+
+    - `target`: the spec of the target planned for, such as `"8xh100"`.
+    - `platform`: `"gpu"`, `"tpu"` or `"cpu"`.
+    - `num_devices`: the devices the loaded leaves are placed on.
+    - `loaded_bytes`: the loaded leaves in their target dtypes, once each (replicas not
+        counted twice).
+    - `loaded_bytes_per_device`: the loaded leaves' share on the busiest device.
+    - `chunk_temp_bytes`: XLA's temporary bytes per device of each compiled chunk write (one
+        per group of buffers), largest first; `()` where every buffer is written by the host
+        (CPU: nothing is compiled).
+    - `chunk_value_bytes`: the most bytes per device that the values of chunk writes in flight
+        hold: two calls' values (one staged while the previous runs).
+    - `device_peaks`: the predicted peak of each of `target.devices` (0 for a device that holds
+        nothing of the load), in their order.
+    - `device_peak`: the busiest device's peak: its loaded bytes plus, for the group whose
+        writes cost it most, that write's temporaries and two calls' values.
+    - `host_peak`: the host memory one process allocates beyond the page cache while it
+        streams: at most the two staging slots of the largest compiled group (see
+        [`eqx_lean.memory.plan_load`][]); 0 for host writes.
+    - `device_memory`: the bytes one process can use on one device of the target.
+    - `fits`: `device_peak <= device_memory`.
+    """
+
+    target: str
+    platform: str
+    num_devices: int
+    loaded_bytes: int
+    loaded_bytes_per_device: int
+    chunk_temp_bytes: tuple[int, ...]
+    chunk_value_bytes: int
+    device_peaks: tuple[int, ...]
+    device_peak: int
+    host_peak: int
+    device_memory: int
+    fits: bool
+
+    def table(self) -> str:
+        """The plan as an aligned text table."""
+        rows = [
+            ("loaded leaves (busiest device)", self.loaded_bytes_per_device),
+            ("largest chunk write's XLA temp", max(self.chunk_temp_bytes, default=0)),
+            ("chunk values in flight", self.chunk_value_bytes),
+            ("device peak", self.device_peak),
+            ("device memory", self.device_memory),
+            ("host staging per process", self.host_peak),
+        ]
+        verdict = "fits" if self.fits else "does NOT fit"
+        head = (
+            f"load plan for {self.target} ({self.num_devices} x {self.platform}): {verdict} "
+            f"({format_bytes(self.device_peak)} of {format_bytes(self.device_memory)} per "
+            f"device); {format_bytes(self.loaded_bytes)} loaded in all"
+        )
+        return head + "\n" + table(("", "bytes"), [(n, format_bytes(b)) for n, b in rows])
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def _on_target(sharding: Sharding | None, where: Target, path: str) -> Sharding:
+    if sharding is None:
+        # The loader's default device; on the target, its first device.
+        return SingleDeviceSharding(where.devices[0])
+    if not sharding.device_set <= set(where.devices):
+        raise ValueError(
+            f"The sharding of leaf {path} is over devices that are not target {where.spec!r}'s: "
+            "make `sharding=` and `mesh=` on `target.mesh(...)` (or a device in "
+            "`target.devices`)."
+        )
+    return sharding
+
+
+def _shard_bytes(struct: Any, sharding: Sharding) -> int:
+    shape = sharding.shard_shape(struct.shape)
+    return math.prod(shape) * np.dtype(struct.dtype).itemsize
+
+
+def _loaded_per_device(targets: Sequence[ChunkTarget]) -> dict[Any, int]:
+    loaded: dict[Any, int] = {}
+    for t in targets:
+        assert t.sharding is not None
+        nbytes = _shard_bytes(t.struct, t.sharding)
+        for device in t.sharding.device_set:
+            loaded[device] = loaded.get(device, 0) + nbytes
+    return loaded
+
+
+def _distinct_bytes(t: ChunkTarget) -> int:
+    """The leaf's bytes once, however many devices hold replicas of its shards."""
+    assert t.sharding is not None
+    indices = t.sharding.devices_indices_map(t.struct.shape)
+    shape = t.struct.shape
+    shards = {
+        tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=True))
+        for index in indices.values()
+    }
+    return len(shards) * _shard_bytes(t.struct, t.sharding)
+
+
+def _group_devices(group: ChunkGroup) -> set[Any]:
+    devices: set[Any] = set()
+    for buffer in group.buffers:
+        devices |= buffer.sharding.device_set
+    return devices
+
+
+def _values_per_device(group: ChunkGroup) -> int:
+    """Two calls' values on one device: one staged while the previous call runs."""
+    return 2 * sum(_shard_bytes(p.value, p.value.sharding) for p in group.parts)
+
+
+def _staging_bytes(group: ChunkGroup) -> int:
+    """`chunk_writes._Staging`'s two slots, each `reserve + ALIGN` bytes, for one group."""
+    reserve = sum(p.staged_bytes() for p in group.parts)
+    return 2 * (reserve + ALIGN)
+
+
+def plan_load(
+    path: str | os.PathLike | Sequence[str | os.PathLike] | Checkpoint,
+    like: Any,
+    names: Any,
+    *,
+    target: Target | str,
+    dtype: DtypePolicy = None,
+    sharding: ShardingPolicy = None,
+    mesh: Mesh | None = None,
+    layer_axis: LayerAxis = None,
+    layers: int | range | None = None,
+    strict: bool = True,
+    stacked: bool = False,
+) -> LoadPlan:
+    """Plans the memory of [`eqx_lean.load_tensors`][] (or `load_stacked`) on a target.
+
+    ```python
+    h100s = eqx_lean.memory.target("8xh100")
+    mesh = h100s.mesh((8,), ("fsdp",))
+    print(eqx_lean.memory.plan_load("Mistral-7B-v0.1/", like, names, target=h100s,
+                                    dtype=jnp.bfloat16, sharding=eqx_lean.fsdp(mesh, "fsdp")))
+    ```
+
+    Only the checkpoint's headers are read, and checked as the load checks them; no tensor is
+    read and nothing is allocated. The load is planned as the loader runs it:
+
+    - every loaded leaf is allocated at once, in its target dtype and sharding: each device
+        holds its shards (`loaded_bytes_per_device`);
+    - on GPU and TPU, buffers are filled group by group by compiled chunk writes. Each group's
+        write is compiled here for the target's devices and its `memory_analysis()` read: while
+        a group is written, a device holds every loaded buffer, that write's XLA temporaries
+        and at most two calls' values (one call runs while the next is staged). The device
+        peak is the loaded bytes plus the costliest group's temporaries and values.
+    - on the host, a compiled group stages chunks that are not contiguous in the file (a
+        sharded or transposed slice) in two reusable slots, each as large as one call's
+        values over every distinct shard the process holds (plus alignment); the rest is read
+        from memory maps (the page cache, shared and evictable, not counted). `host_peak` is
+        the largest group's two slots, an upper bound: a slot is allocated only when a chunk
+        needs it.
+    - on CPU, device memory is host memory and buffers are written by the host in place:
+        nothing is compiled or staged, and the peak is the loaded bytes.
+
+    It models neither the allocation program's own compilation, nor leaves kept from `like`
+    (not loaded: they exist before), nor the device allocator's fragmentation.
+
+    **Arguments:**
+
+    - `path`, `like`, `names`, `dtype`, `sharding`, `mesh`, `layer_axis`, `layers`, `strict`:
+        as for [`eqx_lean.load_tensors`][]. Shardings must be on the target's devices (made on
+        `target.mesh(...)`); leaves without one are planned on `target.devices[0]`.
+    - `target`: a [`eqx_lean.memory.Target`][] or a spec for [`eqx_lean.memory.target`][].
+    - `stacked`: plan `load_stacked` (every name must contain `{i}`) instead of
+        `load_tensors`.
+
+    **Returns:**
+
+    A [`eqx_lean.memory.LoadPlan`][]; `print` it for a table.
+    """
+    where = make_target(target) if isinstance(target, str) else target
+    if not isinstance(where, Target):
+        raise TypeError(f"target must be a Target or a spec string, got {target!r}.")
+    if not isinstance(strict, bool):
+        raise TypeError(f"`strict` must be True or False; got {strict!r}.")
+    fn = "load_stacked" if stacked else "load_tensors"
+    dtype = check_dtype_policy(dtype)
+    _, leaves, num_layers = _plan_leaves(like, names, dtype, sharding, mesh, layer_axis, fn)
+    selected = select_layers(layers, num_layers)
+    targets = []
+    with opened(path) as checkpoint:
+        held = 0
+        if selected is not None:
+            held = check_layers(leaves, checkpoint, selected, layers_given=layers is not None)
+        check_tensors(leaves, checkpoint, selected, held)
+        if strict:
+            check_unmapped(leaves, checkpoint, selected, whole_model=fn == "load_tensors")
+        for leaf in leaves:
+            if leaf.name is None:
+                continue
+            first = leaf.name.at((selected or (None,))[0] if leaf.name.stacked else None)
+            stored = checkpoint.tensors[first].dtype
+            placed = _on_target(leaf.sharding, where, jax.tree_util.keystr(leaf.path))
+            targets.append(ChunkTarget(leaf.target, placed, leaf.name.stacked, stored))
+    return _plan(where, targets)
+
+
+def _plan(where: Target, targets: Sequence[ChunkTarget]) -> LoadPlan:
+    groups = plan_chunks(targets, _CHUNK_BYTES)
+    compiled = [g for g in groups if not g.host]
+    temps = [lower_chunk_write(g).compile().memory_analysis().temp_size_in_bytes for g in compiled]
+    loaded = _loaded_per_device(targets)
+    extra: dict[Any, int] = {}  # per device: the costliest group's temporaries and values
+    values = 0
+    for group, temp in zip(compiled, temps, strict=True):
+        in_flight = _values_per_device(group)
+        values = max(values, in_flight)
+        for device in _group_devices(group):
+            extra[device] = max(extra.get(device, 0), temp + in_flight)
+    peaks = tuple(loaded.get(d, 0) + extra.get(d, 0) for d in where.devices)
+    peak = max(peaks, default=0)
+    return LoadPlan(
+        target=where.spec,
+        platform=where.platform,
+        num_devices=max(1, len(loaded)),
+        loaded_bytes=sum(_distinct_bytes(t) for t in targets),
+        loaded_bytes_per_device=max(loaded.values(), default=0),
+        chunk_temp_bytes=tuple(sorted(temps, reverse=True)),
+        chunk_value_bytes=values,
+        device_peaks=peaks,
+        device_peak=peak,
+        host_peak=max((_staging_bytes(g) for g in compiled), default=0),
+        device_memory=where.device_memory,
+        fits=peak <= where.device_memory,
+    )
