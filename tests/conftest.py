@@ -4,6 +4,9 @@ import os
 # The suite runs on CPU (its tolerances are XLA:CPU's). Set before JAX starts: JAX's CUDA plugin
 # (the `plan-gpu` extra) compiles for GPUs this machine lacks only in a process started so.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# libtpu (the `plan-tpu` extra) would otherwise lock out every other process that compiles for
+# a TPU slice while this one lives: the test workers and subprocesses.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -288,3 +288,18 @@ def test_plan_argument_errors():
         eqx_lean.memory.plan(lambda a: a, jnp.ones(2), target="cpu", donate="some")
     with pytest.raises(TypeError, match="target must be"):
         eqx_lean.memory.plan(lambda a: a, jnp.ones(2), target=np.float32(1))
+
+
+@needs_libtpu
+def test_libtpu_held_by_another_process_says_what_to_set(monkeypatch):
+    from jax.experimental import topologies
+
+    def locked(*args, **kwargs):
+        raise jax.errors.JaxRuntimeError(
+            'ABORTED: Internal error when accessing libtpu multi-process lockfile. Run "$ sudo rm '
+            '/tmp/libtpu_lockfile".'
+        )
+
+    monkeypatch.setattr(topologies, "get_topology_desc", locked)
+    with pytest.raises(RuntimeError, match="ALLOW_MULTIPLE_LIBTPU_LOAD=1"):
+        targets_module._topology_devices("tpu", "v5e:2x2")

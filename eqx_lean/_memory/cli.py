@@ -13,7 +13,13 @@ import sys
 from collections.abc import Sequence
 
 
-PLANNING_ENVIRONMENT = {"JAX_PLATFORMS": "cpu", "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1"}
+PLANNING_ENVIRONMENT = {
+    "JAX_PLATFORMS": "cpu",
+    "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1",
+    # libtpu takes a lock file for the life of the process unless told that compiling in several
+    # processes at once is fine, as it is without a TPU.
+    "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
+}
 _CHILD_FLAG = "EQX_LEAN_PLANNING_CHILD"
 
 EXAMPLES = """\

@@ -289,9 +289,16 @@ def _topology_devices(platform: str, topology: str, **kwargs) -> tuple[jax.Devic
             "effect), or use `python -m eqx_lean.memory`, which plans in a fresh process with it "
             "set."
         ) from error
-    except RuntimeError as error:
+    except RuntimeError as error:  # JaxRuntimeError included
         if "not installed" in str(error):
             raise _missing_extra(extra) from error
+        if "libtpu multi-process lockfile" in str(error):
+            raise RuntimeError(
+                "Another process holds libtpu, which by default loads in one process at a time. "
+                "Compiling for TPUs needs no exclusive access: start this process with "
+                "ALLOW_MULTIPLE_LIBTPU_LOAD=1 in its environment (set before JAX starts), or "
+                "use `python -m eqx_lean.memory`, which plans in a fresh process with it set."
+            ) from error
         raise
     return tuple(desc.devices)
 

@@ -96,7 +96,9 @@ def plan_lora_step(
     A [`eqx_lean.memory.Plan`][].
     """
     where = memory.target(target) if isinstance(target, str) else target
-    lora_config = lora_config or lora.LoraConfig(r=16, lora_alpha=32, target_modules=ALL_PROJECTIONS)
+    lora_config = lora_config or lora.LoraConfig(
+        r=16, lora_alpha=32, target_modules=ALL_PROJECTIONS
+    )
     axes = list(mesh_axes) if mesh_axes is not None else [("fsdp", len(where.devices))]
     names = tuple(name for name, _ in axes)
     unknown = set(names) - {"data", "fsdp"}
