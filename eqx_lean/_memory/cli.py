@@ -27,7 +27,7 @@ examples:
   python -m eqx_lean.memory targets
   python -m eqx_lean.memory run my_plan.py --my-flag      # any script, planning environment set
   python -m eqx_lean.memory lora 8xh100 --config config.json --batch 4 --seq-len 1024
-  python -m eqx_lean.memory lora v5e-16 --config config.json --mesh data=2,fsdp=8 --fit
+  python -m eqx_lean.memory lora v5e-16 --config config.json --mesh data=2,fsdp=8
 """
 
 
@@ -66,16 +66,13 @@ def _parser() -> argparse.ArgumentParser:
     lora.add_argument("--rank", type=int, default=16, help="LoRA rank (default 16)")
     lora.add_argument("--batch", type=int, default=1, help="sequences per step (default 1)")
     lora.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
-    lora.add_argument(
-        "--remat", default="true", choices=("none", "true", "nested"), help="default: true"
-    )
+    lora.add_argument("--remat", default="true", choices=("none", "true"), help="default: true")
     lora.add_argument(
         "--mesh",
         default=None,
         help="axes as name=size,...: 'data' shards the batch, 'fsdp' the weights "
         "(default: fsdp over every device)",
     )
-    lora.add_argument("--fit", action="store_true", help="find the largest batch per remat mode")
     return parser
 
 
@@ -124,6 +121,39 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _targets()
     if args.command == "run":
         return _run_script(args.script, args.script_args)
-    from .hf_plans import plan_lora_command
+    return _plan_lora(args)
 
-    return plan_lora_command(args)
+
+def _mesh_axes(text: str | None) -> list[tuple[str, int]] | None:
+    if text is None:
+        return None
+    axes = []
+    for part in text.split(","):
+        name, _, size = part.partition("=")
+        if not size.isdigit():
+            raise SystemExit(f"--mesh must be name=size,...; got {text!r}.")
+        axes.append((name.strip(), int(size)))
+    return axes
+
+
+def _plan_lora(args: argparse.Namespace) -> int:
+    # The HF layer sits above `eqx_lean.memory`; only this command needs it.
+    from eqx_lean import hf
+
+    config = hf.MistralConfig.from_json(args.config)
+    remat = args.remat == "true"
+    plan = hf.plan_lora_step(
+        config,
+        args.target,
+        batch_size=args.batch,
+        seq_len=args.seq_len,
+        lora_config=hf.lora_config_of_rank(args.rank),
+        remat=remat,
+        mesh_axes=_mesh_axes(args.mesh),
+    )
+    print(
+        f"LoRA step (rank {args.rank}, all seven projections, remat {args.remat}) of "
+        f"{args.config}, batch {args.batch} x {args.seq_len} tokens"
+    )
+    print(plan)
+    return 0 if plan.fits else 1

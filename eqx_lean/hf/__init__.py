@@ -29,6 +29,11 @@ from ._model import (
     init as init,
     make_block as make_block,
 )
+from ._plan import (
+    fsdp_shardings as fsdp_shardings,
+    lora_config_of_rank as lora_config_of_rank,
+    plan_lora_step as plan_lora_step,
+)
 from ._state import (
     FinetuneState as FinetuneState,
     load_state as load_state,

@@ -17,6 +17,11 @@ from ._train import adamw
 ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
+def lora_config_of_rank(rank: int) -> lora.LoraConfig:
+    """Rank `rank` adapters (alpha `2 * rank`) on all seven projections of every block."""
+    return lora.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=ALL_PROJECTIONS)
+
+
 def fsdp_shardings(tree: Any, mesh: Mesh, axis: str = "fsdp") -> Any:
     """Shardings that split each array leaf's largest dimension over one mesh axis.
 

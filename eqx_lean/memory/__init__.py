@@ -1,6 +1,6 @@
 """Memory estimates, measurements and live-array reports (`eqx_lean.memory`)."""
 
-from ._memory import (
+from .._memory import (
     LeafInfo as LeafInfo,
     LeafReport as LeafReport,
     LiveArrayGroup as LiveArrayGroup,
