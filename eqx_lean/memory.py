@@ -1,6 +1,8 @@
 """Memory estimates, measurements and live-array reports (`eqx_lean.memory`)."""
 
 from ._memory import (
+    Fit as Fit,
+    FitResult as FitResult,
     LeafInfo as LeafInfo,
     LeafReport as LeafReport,
     LiveArrayGroup as LiveArrayGroup,
@@ -11,8 +13,10 @@ from ._memory import (
     Target as Target,
     describe as describe,
     estimate as estimate,
+    fit as fit,
     live_arrays as live_arrays,
     measure as measure,
     plan as plan,
+    plan_train_step as plan_train_step,
     target as target,
 )

@@ -10,3 +10,9 @@ from .live import (
 from .measurements import Measurement as Measurement, measure as measure
 from .plans import Plan as Plan, plan as plan
 from .targets import Target as Target, target as target
+from .training import (
+    Fit as Fit,
+    FitResult as FitResult,
+    fit as fit,
+    plan_train_step as plan_train_step,
+)
