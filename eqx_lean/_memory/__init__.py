@@ -11,3 +11,9 @@ from .load_plans import LoadPlan as LoadPlan, plan_load as plan_load
 from .measurements import Measurement as Measurement, measure as measure
 from .plans import Plan as Plan, plan as plan
 from .targets import Target as Target, target as target
+from .training import (
+    Fit as Fit,
+    FitResult as FitResult,
+    fit as fit,
+    plan_train_step as plan_train_step,
+)

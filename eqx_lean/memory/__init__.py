@@ -1,6 +1,9 @@
-"""Memory estimates, measurements and live-array reports (`eqx_lean.memory`)."""
+"""Memory estimates, measurements and live-array reports, and plans for GPUs and TPUs
+(`eqx_lean.memory`)."""
 
 from .._memory import (
+    Fit as Fit,
+    FitResult as FitResult,
     LeafInfo as LeafInfo,
     LeafReport as LeafReport,
     LiveArrayGroup as LiveArrayGroup,
@@ -12,9 +15,11 @@ from .._memory import (
     Target as Target,
     describe as describe,
     estimate as estimate,
+    fit as fit,
     live_arrays as live_arrays,
     measure as measure,
     plan as plan,
     plan_load as plan_load,
+    plan_train_step as plan_train_step,
     target as target,
 )

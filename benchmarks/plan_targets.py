@@ -1,0 +1,212 @@
+"""Planning times on this machine for 7B and 175B builds and steps on compile-only targets.
+
+    JAX_PLATFORMS=cpu python benchmarks/plan_targets.py            # every case, a process each
+    JAX_PLATFORMS=cpu python benchmarks/plan_targets.py build-7b 8xh100   # one case
+
+Cases: `build-7b` (the 32 Mistral-7B blocks built fsdp-sharded, `eqx_lean.memory.estimate`),
+`lora-7b` (one LoRA AdamW step, rank 16 on all seven projections, remat=True, 256 tokens per
+row, a row per device), `build-175b` (96 GPT-NeoX-shaped blocks, d=12288, MLP 4d, fsdp over
+256 GPUs), `fit-7b` (`eqx_lean.memory.fit` of the LoRA step over three remat modes).
+"""
+
+import os
+import subprocess
+import sys
+import time
+
+
+CASES = [
+    ("build-7b", "8xh100", 60),
+    ("build-7b", "v5e-16", 60),
+    ("lora-7b", "8xh100", 60),
+    ("lora-7b", "v5e-16", 60),
+    ("build-175b", "32x8xh100", 180),
+    ("fit-7b", "8xh100", 300),
+]
+
+
+def _mesh(where):
+    import jax
+
+    n = len(where.devices)
+    return where.mesh((n,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def build_7b(spec):
+    import jax
+    import jax.numpy as jnp
+
+    import eqx_lean
+    from eqx_lean import memory
+    from eqx_lean.hf import MistralConfig
+    from eqx_lean.hf._model import make_block
+
+    where = memory.target(spec)
+    mesh = _mesh(where)
+    config = MistralConfig()
+    keys = jax.random.split(jax.random.key(0), config.num_hidden_layers)
+    est = memory.estimate(
+        lambda k: make_block(config, key=k), keys, jnp.bfloat16, eqx_lean.fsdp(mesh), mesh=mesh
+    )
+    return est.build_stacked_peak, est.build_stacked_peak <= where.device_memory
+
+
+def build_175b(spec):
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+
+    import eqx_lean
+    from eqx_lean import memory
+
+    d = 12288
+
+    class Block(eqx.Module):
+        ln1: eqx.nn.LayerNorm
+        qkv: eqx.nn.Linear
+        out: eqx.nn.Linear
+        ln2: eqx.nn.LayerNorm
+        up: eqx.nn.Linear
+        down: eqx.nn.Linear
+
+        def __init__(self, key):
+            k = jax.random.split(key, 4)
+            self.ln1, self.ln2 = eqx.nn.LayerNorm(d), eqx.nn.LayerNorm(d)
+            self.qkv = eqx.nn.Linear(d, 3 * d, key=k[0])
+            self.out = eqx.nn.Linear(d, d, key=k[1])
+            self.up = eqx.nn.Linear(d, 4 * d, key=k[2])
+            self.down = eqx.nn.Linear(4 * d, d, key=k[3])
+
+    where = memory.target(spec)
+    mesh = _mesh(where)
+    keys = jax.random.split(jax.random.key(0), 96)
+    est = memory.estimate(Block, keys, jnp.bfloat16, eqx_lean.fsdp(mesh), mesh=mesh)
+    return est.build_stacked_peak, est.build_stacked_peak <= where.device_memory
+
+
+def _lora_7b(where):
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from eqx_lean import lora
+    from eqx_lean.hf import MistralConfig
+    from eqx_lean.hf._checkpoint import abstract_model
+
+    mesh = _mesh(where)
+    n = len(where.devices)
+    config = MistralConfig()
+    projections = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    lora_config = lora.LoraConfig(r=16, lora_alpha=32, target_modules=projections)
+    base = abstract_model(config, jnp.bfloat16)
+    model = eqx.filter_eval_shape(
+        lambda m: lora.add_lora(m, lora_config, key=jax.random.key(1)), base
+    )
+
+    def shard(s):
+        if not isinstance(s, jax.ShapeDtypeStruct):
+            return s
+        # fsdp: the largest dimension the devices divide (not a stack's layer axis).
+        dims = [i for i in range(s.ndim) if s.shape[i] % n == 0 and s.shape[i] > 32]
+        spec = [None] * s.ndim
+        if dims:
+            spec[max(dims, key=lambda i: s.shape[i])] = "data"
+        return jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(mesh, P(*spec)))
+
+    model = jax.tree.map(shard, model)
+
+    def make_batch(rows):
+        return (
+            jax.ShapeDtypeStruct((rows, 256), jnp.int32, sharding=NamedSharding(mesh, P("data"))),
+        )
+
+    return model, make_batch, lora.lora_filter(model), n
+
+
+def _make_loss(remat):
+    from eqx_lean.hf._train import next_token_loss
+
+    return lambda model, ids: next_token_loss(model, ids, remat=remat)
+
+
+def lora_7b(spec):
+    import optax
+
+    from eqx_lean import memory
+
+    where = memory.target(spec)
+    model, make_batch, trainable, n = _lora_7b(where)
+    plan = memory.plan_train_step(
+        _make_loss(True),
+        model,
+        optax.adamw(1e-4),
+        *make_batch(n),
+        target=where,
+        trainable=trainable,
+    )
+    print(plan)
+    return plan.peak, plan.fits
+
+
+def fit_7b(spec):
+    import optax
+
+    from eqx_lean import memory
+
+    where = memory.target(spec)
+    model, make_batch, trainable, n = _lora_7b(where)
+    found = memory.fit(
+        _make_loss,
+        model,
+        optax.adamw(1e-4),
+        make_batch,
+        target=where,
+        batch_multiple=n,
+        max_batch=1024,
+        trainable=trainable,
+    )
+    print(found)
+    for r in found.results:
+        print(r.remat, r.compiles, [(b, f) for b, _, f in r.tried])
+    best = found.best
+    return (
+        best.plan.peak if best else 0
+    ), f"best {best.remat if best else None} b={best.batch_size if best else 0}"
+
+
+def _one(case, spec):
+    start = time.perf_counter()
+    peak, fits = {
+        "build-7b": build_7b,
+        "lora-7b": lora_7b,
+        "build-175b": build_175b,
+        "fit-7b": fit_7b,
+    }[case](spec)
+    seconds = time.perf_counter() - start
+    print(f"RESULT\t{case}\t{spec}\t{peak / 2**30:.2f} GiB\t{fits}\t{seconds:.1f} s")
+
+
+def main():
+    if len(sys.argv) == 3:
+        _one(*sys.argv[1:])
+        return
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    rows = []
+    for case, spec, bar in CASES:
+        out = subprocess.run(
+            [sys.executable, __file__, case, spec], env=env, capture_output=True, text=True
+        )
+        line = [x for x in out.stdout.splitlines() if x.startswith("RESULT")]
+        rows.append(
+            (line[0].split("\t")[1:] if line else [case, spec, "error", out.stderr[-300:], ""])
+            + [f"bar {bar} s"]
+        )
+        print("\t".join(rows[-1]), flush=True)
+    print("\nwhat\ttarget\tper-device peak\tfits\tseconds\tbar")
+    for row in rows:
+        print("\t".join(row))
+
+
+if __name__ == "__main__":
+    main()
