@@ -4,8 +4,8 @@ eqx_lean's platform tricks (Threefry lowered unrolled, loop-invariant code motio
 the writes, floating rows written as unsigned-integer bits, scan's optimisation barrier) were
 measured on XLA:CPU. This script compiles each program twice, for this process's CPU and for a
 compile-only H100 (`jax.experimental.topologies` with XLA's `h100_sxm.txtpb` device
-description, `eqx_lean/_memory/gpu_specs/`), and prints XLA's `memory_analysis()` (temporary and output
-bytes), the compile time, and a hash of the optimised program (equal hashes: the same compiled
+description, `eqx_lean/_memory/gpu_specs/`), and prints XLA's `memory_analysis()`
+(temporary and output bytes), the compile time, and a hash of the optimised program (equal hashes: the same compiled
 program, so a trick that leaves it unchanged does nothing there). Nothing runs: the H100 figures
 are XLA's plan, not a measured peak.
 

@@ -192,7 +192,7 @@ def test_estimate_allocates_nothing():
 
 def _eager(fn, n: int, cast_bytes: int = 0) -> int:
     jaxpr = jax.make_jaxpr(fn)(jax.ShapeDtypeStruct((n,), jnp.float32)).jaxpr
-    lowered = _memory.estimates._eager_dispatches(jaxpr)
+    lowered = _memory.estimates._eager_dispatches(jaxpr, None)  # on the default device
     assert len(lowered) == len(jaxpr.eqns)  # every operation here is big enough to compile
     temps = {k: x.compile().memory_analysis().temp_size_in_bytes for k, x in lowered.items()}
     return _memory.estimates._eager_peak(jaxpr, temps, cast_bytes)

@@ -40,7 +40,9 @@ def _vmap_and_cast(keys):
 
 def _jit_vmap_analysis(keys, device):
     struct = jax.ShapeDtypeStruct(keys.shape, keys.dtype, sharding=device)
-    return jax.jit(_vmap_and_cast).lower(struct).compile().memory_analysis()
+    stats = jax.jit(_vmap_and_cast).lower(struct).compile().memory_analysis()
+    assert stats is not None
+    return stats
 
 
 _KEYS = jax.random.split(jax.random.key(0), 4)
@@ -147,7 +149,9 @@ def test_plan_load_on_cpu_with_compiled_writes(saved, monkeypatch):
         for shape in [(128,), (128, 64)]  # `like`'s leaf order: bias, weight
     ]
     (group,) = core_chunks.plan_chunks(targets, 4 * 2**20)
-    temp = core_chunks.lower_chunk_write(group).compile().memory_analysis().temp_size_in_bytes
+    stats = core_chunks.lower_chunk_write(group).compile().memory_analysis()
+    assert stats is not None
+    temp = stats.temp_size_in_bytes
     values = 2 * (128 + 128 * 64) * 4  # two calls' float32 values of one layer
     loaded = (_WEIGHT + _BIAS) * 2
     assert plan.chunk_temp_bytes == (temp,)

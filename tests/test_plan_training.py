@@ -137,7 +137,13 @@ def test_plan_train_step(spec):
 def test_plan_train_step_errors():
     model = _abstract()
     with pytest.raises(TypeError, match="loss_fn"):
-        memory.plan_train_step(None, model, optax.sgd(1.0), _batch(4), target="cpu")
+        memory.plan_train_step(
+            None,  # pyright: ignore[reportArgumentType]
+            model,
+            optax.sgd(1.0),
+            _batch(4),
+            target="cpu",
+        )
     with pytest.raises(TypeError, match="optimizer"):
         memory.plan_train_step(make_loss(None), model, object(), _batch(4), target="cpu")
     with pytest.raises(ValueError, match="trainable"):
@@ -186,7 +192,7 @@ def test_fit_h100():
             )
             assert by_hand((0, 1)).fits is fits, (result.remat, batch)
     largest = max(r.batch_size for r in found.results)
-    assert found.best.batch_size == largest
+    assert found.best is not None and found.best.batch_size == largest
     # Rematerialising saves activations, so it reaches at least the batch without it.
     assert found[True].batch_size >= found[None].batch_size
     assert "remat" in str(found) and "*" in found.table()

@@ -204,6 +204,7 @@ def test_plan_equals_xla_memory_analysis_for_the_target():
 
     plan = eqx_lean.memory.plan(step, params, target=target)
     expected = jax.jit(step).trace(params).lower().compile().memory_analysis()
+    assert expected is not None
     assert plan.platform == "gpu" and plan.num_devices == 8
     assert plan.argument == expected.argument_size_in_bytes == _shard_bytes(params)
     assert plan.output == expected.output_size_in_bytes
@@ -285,9 +286,9 @@ def test_plan_argument_errors():
     with pytest.raises(ValueError, match="donate names argument 3"):
         eqx_lean.memory.plan(lambda a: a, jnp.ones(2), target="cpu", donate=[3])
     with pytest.raises(ValueError, match="donate must be"):
-        eqx_lean.memory.plan(lambda a: a, jnp.ones(2), target="cpu", donate="some")
+        eqx_lean.memory.plan(lambda a: a, jnp.ones(2), target="cpu", donate="some")  # pyright: ignore[reportArgumentType]
     with pytest.raises(TypeError, match="target must be"):
-        eqx_lean.memory.plan(lambda a: a, jnp.ones(2), target=np.float32(1))
+        eqx_lean.memory.plan(lambda a: a, jnp.ones(2), target=np.float32(1))  # pyright: ignore[reportArgumentType]
 
 
 @needs_libtpu

@@ -228,10 +228,17 @@ def plan_load(
     return _plan(where, targets)
 
 
+def _temp_bytes(compiled: Any) -> int:
+    stats = compiled.memory_analysis()
+    if stats is None:
+        raise RuntimeError("XLA gives no memory analysis for this platform's programs.")
+    return stats.temp_size_in_bytes
+
+
 def _plan(where: Target, targets: Sequence[ChunkTarget]) -> LoadPlan:
     groups = plan_chunks(targets, _CHUNK_BYTES)
     compiled = [g for g in groups if not g.host]
-    temps = [lower_chunk_write(g).compile().memory_analysis().temp_size_in_bytes for g in compiled]
+    temps = [_temp_bytes(lower_chunk_write(g).compile()) for g in compiled]
     loaded = _loaded_per_device(targets)
     extra: dict[Any, int] = {}  # per device: the costliest group's temporaries and values
     values = 0

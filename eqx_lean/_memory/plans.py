@@ -141,7 +141,8 @@ def _closure_values(fn: Any, prefix: str = "fn") -> list[tuple[str, Any]]:
         found += _closure_values(inner, prefix + ".func")
     code = getattr(fn, "__code__", None)
     values = []
-    for name, cell in zip(getattr(code, "co_freevars", ()), fn.__closure__ or (), strict=False):
+    cells = getattr(fn, "__closure__", None) or ()
+    for name, cell in zip(getattr(code, "co_freevars", ()), cells, strict=False):
         try:
             values.append((name, cell.cell_contents))
         except ValueError:
@@ -157,10 +158,10 @@ def _closure_values(fn: Any, prefix: str = "fn") -> list[tuple[str, Any]]:
 
 def _identity(x: Any) -> Any:
     """The same for an array and the constant tracing made of it (a copy of the wrapper)."""
-    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+    if isinstance(x, jax.Array):
         try:
             return ("buffer", x.unsafe_buffer_pointer())
-        except Exception:  # several shards, or deleted
+        except Exception:  # a tracer, several shards, or deleted
             return id(x)
     if isinstance(x, np.ndarray):
         return ("buffer", x.ctypes.data)
@@ -266,6 +267,8 @@ def plan(
         return _refused_plan(where, lowered, structs, refused, time.perf_counter() - start)
     seconds = time.perf_counter() - start
     stats = compiled.memory_analysis()
+    if stats is None:
+        raise RuntimeError(f"XLA gives no memory analysis for {where.platform} programs.")
     argument = stats.argument_size_in_bytes
     output = stats.output_size_in_bytes
     alias = stats.alias_size_in_bytes

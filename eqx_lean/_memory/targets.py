@@ -6,6 +6,7 @@ import os
 import re
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import jax
 from jax.sharding import Mesh
@@ -90,7 +91,7 @@ class Target:
     """
 
     spec: str
-    devices: tuple[jax.Device, ...]
+    devices: tuple[Any, ...]
     platform: str
     device_kind: str
     hbm_bytes: int
@@ -270,7 +271,7 @@ def _cpu_target() -> Target:
     )
 
 
-def _topology_devices(platform: str, topology: str, **kwargs) -> tuple[jax.Device, ...]:
+def _topology_devices(platform: str, topology: str, **kwargs) -> tuple[Any, ...]:
     from jax.experimental import topologies
 
     extra = "plan-gpu" if platform == "cuda" else "plan-tpu"

@@ -46,7 +46,7 @@ def fsdp_shardings(tree: Any, mesh: Mesh, axis: str = "fsdp") -> Any:
         dims = sorted(range(len(leaf.shape)), key=lambda d: -leaf.shape[d])
         for d in dims:
             if leaf.shape[d] % size == 0:
-                spec = [None] * len(leaf.shape)
+                spec: list[str | None] = [None] * len(leaf.shape)
                 spec[d] = axis
                 return NamedSharding(mesh, PartitionSpec(*spec))
         return NamedSharding(mesh, PartitionSpec())
