@@ -278,13 +278,26 @@ def _load(
             f"got {strict!r}."
         )
     with opened(path) as checkpoint:
-        held = 0
-        if selected is not None:
-            held = check_layers(leaves, checkpoint, selected, layers_given=layers is not None)
-        check_tensors(leaves, checkpoint, selected, held)
-        if strict:
-            check_unmapped(leaves, checkpoint, selected, whole_model=fn == "load_tensors")
+        check_checkpoint(leaves, checkpoint, selected, layers is not None, strict, fn)
         return layout.combine(_load_into(leaves, checkpoint, selected))
+
+
+def check_checkpoint(
+    leaves: Sequence[Leaf],
+    checkpoint: Checkpoint,
+    selected: Sequence[int] | None,
+    layers_given: bool,
+    strict: bool,
+    fn: str,
+) -> None:
+    """Refuses a checkpoint whose layers or tensors do not fit the leaves to load (or, with
+    `strict`, that holds tensors they leave out), before anything is read."""
+    held = 0
+    if selected is not None:
+        held = check_layers(leaves, checkpoint, selected, layers_given=layers_given)
+    check_tensors(leaves, checkpoint, selected, held)
+    if strict:
+        check_unmapped(leaves, checkpoint, selected, whole_model=fn == "load_tensors")
 
 
 @contextlib.contextmanager

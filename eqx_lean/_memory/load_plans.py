@@ -13,8 +13,8 @@ from jax.sharding import Mesh, Sharding, SingleDeviceSharding
 from .._core import DtypePolicy, LayerAxis, ShardingPolicy, check_dtype_policy
 from .._core.chunk_writes import ALIGN
 from .._core.chunks import ChunkGroup, Target as ChunkTarget, lower_chunk_write, plan_chunks
-from .._io.checks import check_layers, check_tensors, check_unmapped, select_layers
-from .._io.load import _CHUNK_BYTES, _plan_leaves, opened
+from .._io.checks import select_layers
+from .._io.load import _CHUNK_BYTES, _plan_leaves, check_checkpoint, opened
 from .._io.snapshot import Checkpoint
 from .table import format_bytes, table
 from .targets import Target, target as make_target
@@ -212,12 +212,7 @@ def plan_load(
     selected = select_layers(layers, num_layers)
     targets = []
     with opened(path) as checkpoint:
-        held = 0
-        if selected is not None:
-            held = check_layers(leaves, checkpoint, selected, layers_given=layers is not None)
-        check_tensors(leaves, checkpoint, selected, held)
-        if strict:
-            check_unmapped(leaves, checkpoint, selected, whole_model=fn == "load_tensors")
+        check_checkpoint(leaves, checkpoint, selected, layers is not None, strict, fn)
         for leaf in leaves:
             if leaf.name is None:
                 continue
