@@ -21,6 +21,15 @@ no program outputs, plus a CPU allowance (below).
 
     python benchmarks/plan_vs_measured.py            # every case
     python benchmarks/plan_vs_measured.py forward    # some cases
+
+Measured (MiB over idle, one run of every case; the bar is 10 %):
+
+| case | final | planned | measured | error |
+| --- | --- | --- | --- | --- |
+| build | 1248.2 | 1286.2 | 1289.0 | +0.2 % |
+| load | 1248.2 | 1360.2 (1256.2 anonymous) | 1353.3 (1249.1 anonymous) | -0.5 % (-0.6 %) |
+| forward | 32.0 | 2190.2 | 2196.9 | +0.3 % |
+| LoRA step | 90.0 | 3629.8 | 4134.2 | +13.9 %: misses (see below) |
 """
 
 import argparse
@@ -45,15 +54,25 @@ TOLERANCE = 0.10
 # allowance at zero, in fresh processes (`python benchmarks/plan_vs_measured.py --json`).
 #
 # One jitted program compiled and run once: what compiling it leaves resident in glibc's heaps
-# beyond its outputs and temporaries. Measured: the 12-layer forward +44.2 MiB (2190.4 MiB over
-# idle against 2146.2 planned).
+# beyond its outputs and temporaries. Measured: the 12-layer forward +44.2 and +50.7 MiB in two
+# runs (2190.4 and 2196.9 MiB over idle against 2146.2 planned). It does not cover the LoRA
+# step, which misses the bar (below): there the excess is not a fixed overhead.
 CPU_JIT_ALLOWANCE = 44 * MiB
 # `build_stacked` needs none beyond the library's own allowance (`MemoryEstimate.
-# runtime_overhead`, `_CPU_BUILD_RETAINED` + the largest heap-served write temporary: 38.0 MiB
-# fitted on one device, 39.85 MiB here), counted once per process, not per device: measured
-# +40.5 MiB over the final stack and XLA's write temporaries on 8 devices.
+# runtime_overhead`: `_CPU_BUILD_RETAINED`, fitted on one device, plus the largest heap-served
+# write temporary, 25 KiB here: 38.0 MiB), counted once per process, not once per device:
+# measured +40.5 and +40.8 MiB over the final stack and XLA's write temporaries on 8 devices.
 # `load_stacked` on CPU compiles nothing (host writes), so it has no allowance: measured -5.3
-# MiB anonymous memory against loaded + staging (the staging is a bound, not all used).
+# and -7.1 MiB of anonymous memory against loaded + staging (the staging is a bound); the whole
+# resident peak adds the largest layer's mapped file pages (104 MiB planned, 104-107 measured).
+
+# The LoRA step (12 layers, rank 16 on every linear, 263 MiB of adapters and AdamW state
+# donated) measured 4098.6 and 4134.2 MiB over idle against 3585.8 MiB of XLA temporaries
+# plus the 44 MiB allowance: +12.9 and +13.9 %. Split in one run (compiled, then run): compiling
+# leaves 200 MiB resident (168 with 4 layers), and the run peaks 350 MiB above the compiled
+# process's RSS plus XLA's temporaries (234 with 4 layers). Donation is not the cause: the
+# donated inputs are deleted and a donated 1 GiB update on 8 devices peaks at +0.02 MiB. What
+# XLA:CPU's runtime allocates beyond `memory_analysis()` for this program is not found yet.
 
 
 def _config(small: bool) -> Any:
