@@ -6,8 +6,8 @@ measured on XLA:CPU. This script compiles each program twice, for this process's
 compile-only H100 (`jax.experimental.topologies` with XLA's `h100_sxm.txtpb` device
 description, `eqx_lean/_memory/gpu_specs/`), and prints XLA's `memory_analysis()`
 (temporary and output bytes), the compile time, and a hash of the optimised program (equal
-hashes: the same compiled program, so a trick that leaves it unchanged does nothing there). Nothing runs: the H100 figures
-are XLA's plan, not a measured peak.
+hashes: the same compiled program, so a trick that leaves it unchanged does nothing there).
+Nothing runs: the H100 figures are XLA's plan, not a measured peak.
 
 The H100 part runs in a subprocess with a separate venv holding `jax[cuda12]` (the CUDA plugin
 is what compiles for a GPU; no GPU is needed):
