@@ -68,11 +68,15 @@ CPU_JIT_ALLOWANCE = 44 * MiB
 
 # The LoRA step (12 layers, rank 16 on every linear, 263 MiB of adapters and AdamW state
 # donated) measured 4098.6 and 4134.2 MiB over idle against 3585.8 MiB of XLA temporaries
-# plus the 44 MiB allowance: +12.9 and +13.9 %. Split in one run (compiled, then run): compiling
-# leaves 200 MiB resident (168 with 4 layers), and the run peaks 350 MiB above the compiled
-# process's RSS plus XLA's temporaries (234 with 4 layers). Donation is not the cause: the
-# donated inputs are deleted and a donated 1 GiB update on 8 devices peaks at +0.02 MiB. What
-# XLA:CPU's runtime allocates beyond `memory_analysis()` for this program is not found yet.
+# plus the 44 MiB allowance: +12.9 and +13.9 %. Split with 4 layers (`jit(...).lower().
+# compile()`, then `malloc_trim(0)`, then the run): compiling leaves 163 MiB resident, all free
+# heap (5 MiB after the trim), which a run partly reuses; the run then peaks 336 MiB above the
+# trimmed RSS plus XLA's temporaries and outputs. The same model's forward alone peaks only
+# 25 MiB above them, its `value_and_grad` (no remat, no optimizer, nothing donated) 278 MiB:
+# the excess comes with the backward pass as XLA:CPU runs it, not with remat, the optimizer or
+# donation (the donated inputs are deleted, and a donated 1 GiB update on 8 devices peaks at
+# +0.02 MiB). Which buffers the runtime allocates there beyond `memory_analysis()` is not
+# found yet; it grows with the layers (untrimmed, 234 MiB at 4 and 350 at 12): no fixed allowance.
 
 
 def _config(small: bool) -> Any:
