@@ -1,13 +1,11 @@
 """The memory of a load on a target, planned from the checkpoint's headers and compiled writes."""
 
 import dataclasses
-import math
 import os
 from collections.abc import Sequence
 from typing import Any
 
 import jax
-import numpy as np
 from jax.sharding import Mesh, Sharding, SingleDeviceSharding
 
 from .._core import DtypePolicy, LayerAxis, ShardingPolicy, check_dtype_policy
@@ -16,8 +14,9 @@ from .._core.chunks import ChunkGroup, Target as ChunkTarget, lower_chunk_write,
 from .._io.checks import select_layers
 from .._io.load import _CHUNK_BYTES, _plan_leaves, check_checkpoint, opened
 from .._io.snapshot import Checkpoint
+from .plans import shard_bytes
 from .table import format_bytes, table
-from .targets import Target, target as make_target
+from .targets import Target, resolve_target
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,16 +97,11 @@ def _on_target(sharding: Sharding | None, where: Target, path: str) -> Sharding:
     return sharding
 
 
-def _shard_bytes(struct: Any, sharding: Sharding) -> int:
-    shape = sharding.shard_shape(struct.shape)
-    return math.prod(shape) * np.dtype(struct.dtype).itemsize
-
-
 def _loaded_per_device(targets: Sequence[ChunkTarget]) -> dict[Any, int]:
     loaded: dict[Any, int] = {}
     for t in targets:
         assert t.sharding is not None
-        nbytes = _shard_bytes(t.struct, t.sharding)
+        nbytes = shard_bytes(t.struct, t.sharding)
         for device in t.sharding.device_set:
             loaded[device] = loaded.get(device, 0) + nbytes
     return loaded
@@ -122,7 +116,7 @@ def _distinct_bytes(t: ChunkTarget) -> int:
         tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=True))
         for index in indices.values()
     }
-    return len(shards) * _shard_bytes(t.struct, t.sharding)
+    return len(shards) * shard_bytes(t.struct, t.sharding)
 
 
 def _group_devices(group: ChunkGroup) -> set[Any]:
@@ -134,7 +128,7 @@ def _group_devices(group: ChunkGroup) -> set[Any]:
 
 def _values_per_device(group: ChunkGroup) -> int:
     """Two calls' values on one device: one staged while the previous call runs."""
-    return 2 * sum(_shard_bytes(p.value, p.value.sharding) for p in group.parts)
+    return 2 * sum(shard_bytes(p.value, p.value.sharding) for p in group.parts)
 
 
 def _staging_bytes(group: ChunkGroup) -> int:
@@ -201,9 +195,7 @@ def plan_load(
 
     A [`eqx_lean.memory.LoadPlan`][]; `print` it for a table.
     """
-    where = make_target(target) if isinstance(target, str) else target
-    if not isinstance(where, Target):
-        raise TypeError(f"target must be a Target or a spec string, got {target!r}.")
+    where = resolve_target(target)
     if not isinstance(strict, bool):
         raise TypeError(f"`strict` must be True or False; got {strict!r}.")
     fn = "load_stacked" if stacked else "load_tensors"

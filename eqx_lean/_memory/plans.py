@@ -13,7 +13,7 @@ import numpy as np
 from jax.sharding import Sharding, SingleDeviceSharding
 
 from .table import MiB, format_bytes, table
-from .targets import Target, target as make_target
+from .targets import Target, resolve_target
 
 
 # A closed-over array larger than this is refused: it would be baked into the program as a
@@ -196,8 +196,9 @@ def _refusal(error: Exception) -> str | None:
     return message.split("\n")[0].strip()
 
 
-def _shard_bytes(struct: Any) -> int:
-    sharding = struct.sharding
+def shard_bytes(struct: Any, sharding: Sharding | None = None) -> int:
+    """Bytes of one device's shard of `struct` under `sharding` (default: its own)."""
+    sharding = struct.sharding if sharding is None else sharding
     shape = sharding.shard_shape(struct.shape) if sharding is not None else struct.shape
     return math.prod(shape) * np.dtype(struct.dtype).itemsize
 
@@ -242,9 +243,7 @@ def plan(
 
     A [`eqx_lean.memory.Plan`][]; `print` it for a table.
     """
-    where = make_target(target) if isinstance(target, str) else target
-    if not isinstance(where, Target):
-        raise TypeError(f"target must be a Target or a spec string, got {target!r}.")
+    where = resolve_target(target)
     donated = _donated(donate, len(args))
     dynamic, static = eqx.partition(args, _is_traced)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(dynamic)
@@ -305,9 +304,9 @@ def _program_devices(compiled: Any, where: Target) -> list[Any]:
 def _refused_plan(
     where: Target, lowered: Any, structs: Sequence[Any], refused: str, seconds: float
 ) -> Plan:
-    argument = sum(_shard_bytes(s) for s in structs)
+    argument = sum(shard_bytes(s) for s in structs)
     outs = jax.tree.leaves(lowered.out_info)
-    output = sum(_shard_bytes(s) for s in outs if hasattr(s, "sharding"))
+    output = sum(shard_bytes(s) for s in outs if hasattr(s, "sharding"))
     match = _REFUSAL.search(refused)
     required = float(match.group(1)) * _UNITS[match.group(2)] if match else 0.0
     temp = max(0, int(required) - argument - output)

@@ -183,6 +183,14 @@ def target(spec: str, *, memory_fraction: float | None = None) -> Target:
     raise ValueError(f"Unknown target spec {spec!r}. Known specs: {KNOWN_SPECS}.")
 
 
+def resolve_target(given: "Target | str") -> Target:
+    """`target=` as every planner takes it: a `Target`, or a spec for `target`."""
+    where = target(given) if isinstance(given, str) else given
+    if not isinstance(where, Target):
+        raise TypeError(f"target must be a Target or a spec string, got {given!r}.")
+    return where
+
+
 def _parse_gpu(spec: str) -> tuple[str, int, int] | None:
     match = re.fullmatch(r"(?:(\d+)x)?(?:(\d+)x)?([a-z0-9-]+)", spec)
     if match is None or match.group(3) not in _GPUS:

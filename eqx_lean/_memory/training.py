@@ -11,14 +11,7 @@ from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSha
 
 from .plans import Plan, _is_traced, _struct_on, plan
 from .table import format_bytes, table
-from .targets import Target, target as make_target
-
-
-def _resolve(target: Target | str) -> Target:
-    where = make_target(target) if isinstance(target, str) else target
-    if not isinstance(where, Target):
-        raise TypeError(f"target must be a Target or a spec string, got {target!r}.")
-    return where
+from .targets import Target, resolve_target
 
 
 def _is_float(x: Any) -> bool:
@@ -175,7 +168,7 @@ def plan_train_step(
     """
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable `(model, *batch) -> loss`, got {loss_fn!r}.")
-    where = _resolve(target)
+    where = resolve_target(target)
     arguments = train_arguments(model, optimizer, batch, where, trainable)
     step = train_step(loss_fn, optimizer)
     return plan(step, *arguments, target=where, donate=(0, 1) if donate else "none")
@@ -385,7 +378,7 @@ def fit(
     remats = tuple(remats)
     if not remats:
         raise ValueError("remats must name at least one remat mode.")
-    where = _resolve(target)
+    where = resolve_target(target)
     results = []
     for remat in remats:
         loss_fn = make_loss(remat)

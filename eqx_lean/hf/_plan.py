@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from .. import lora, memory
+from .._memory.targets import resolve_target
 from ._config import MistralConfig
 from ._finetune import _abstract_lora_model, make_lora_step
 from ._train import adamw
@@ -100,7 +101,7 @@ def plan_lora_step(
 
     A [`eqx_lean.memory.Plan`][].
     """
-    where = memory.target(target) if isinstance(target, str) else target
+    where = resolve_target(target)
     lora_config = lora_config or lora.LoraConfig(
         r=16, lora_alpha=32, target_modules=ALL_PROJECTIONS
     )
