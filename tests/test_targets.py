@@ -272,14 +272,38 @@ def test_plan_rejects_shardings_of_other_devices():
     cpu = jax.sharding.NamedSharding(
         jax.make_mesh((1,), ("x",), devices=jax.devices("cpu")[:1]), jax.P()
     )
+    # A sharding chosen for the plan must be on the target, even one of a single device:
+    # the same rule as plan_load's `sharding=`.
     x = jax.ShapeDtypeStruct((4, 4), jnp.float32, sharding=cpu)
-    # One device of another platform: planned on the target's first device.
-    assert eqx_lean.memory.plan(lambda a: a, x, target="8xh100").platform == "gpu"
+    with pytest.raises(ValueError, match="argument leaf \\[0\\] is over devices that target"):
+        eqx_lean.memory.plan(lambda a: a, x, target="8xh100")
     if len(jax.devices("cpu")) > 1:
         mesh = jax.make_mesh((2,), ("x",), devices=jax.devices("cpu")[:2])
-        y = jax.ShapeDtypeStruct((4, 4), jnp.float32, sharding=jax.NamedSharding(mesh, jax.P()))
+        y = jax.device_put(jnp.ones((4, 4)), jax.NamedSharding(mesh, jax.P("x")))
         with pytest.raises(ValueError, match="devices that target '8xh100' does not have"):
             eqx_lean.memory.plan(lambda a: a, y, target="8xh100")
+
+
+@needs_gpu_plugin
+def test_plan_places_this_machines_arrays_on_the_target():
+    where = eqx_lean.memory.target("8xh100")
+    # Concrete arrays made here (committed to a CPU device or not) and NumPy arrays alone: a
+    # single-device program on the target's first device.
+    committed = jax.device_put(jnp.ones((256, 256)), jax.devices("cpu")[0])
+    alone = eqx_lean.memory.plan(
+        lambda a, b: a @ b + 1, committed, np.ones((256, 256), np.float32), target=where
+    )
+    assert alone.platform == "gpu" and alone.argument == 2 * 256 * 256 * 4
+    # Beside an argument sharded over the mesh, an uncommitted scalar (optax's step count) is
+    # replicated over the mesh's devices, as a run places it; it used to fail to compile.
+    mesh = where.mesh((8,), ("x",))
+    sharded = jax.ShapeDtypeStruct(
+        (8, 1024), jnp.float32, sharding=jax.NamedSharding(mesh, jax.P("x"))
+    )
+    count = jnp.zeros((), jnp.int32)
+    assert not count.committed
+    mixed = eqx_lean.memory.plan(lambda a, n: a * n.astype(a.dtype), sharded, count, target=where)
+    assert mixed.num_devices == 8 and mixed.argument == 1024 * 4 + 4
 
 
 def test_plan_argument_errors():

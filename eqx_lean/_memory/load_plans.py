@@ -16,7 +16,7 @@ from .._io.load import _CHUNK_BYTES, _plan_leaves, check_checkpoint, opened
 from .._io.snapshot import Checkpoint
 from .plans import shard_bytes
 from .table import format_bytes, table
-from .targets import Target, resolve_target
+from .targets import Target, placed_on, resolve_target
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,16 +85,9 @@ class LoadPlan:
 
 
 def _on_target(sharding: Sharding | None, where: Target, path: str) -> Sharding:
-    if sharding is None:
-        # The loader's default device; on the target, its first device.
-        return SingleDeviceSharding(where.devices[0])
-    if not sharding.device_set <= set(where.devices):
-        raise ValueError(
-            f"The sharding of leaf {path} is over devices that are not target {where.spec!r}'s: "
-            "make `sharding=` and `mesh=` on `target.mesh(...)` (or a device in "
-            "`target.devices`)."
-        )
-    return sharding
+    placed = placed_on(where, sharding, f"leaf {path}")
+    # The loader puts a leaf without a sharding on its default device: the target's first.
+    return SingleDeviceSharding(where.devices[0]) if placed is None else placed
 
 
 def _loaded_per_device(targets: Sequence[ChunkTarget]) -> dict[Any, int]:

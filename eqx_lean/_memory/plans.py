@@ -13,7 +13,7 @@ import numpy as np
 from jax.sharding import Sharding, SingleDeviceSharding
 
 from .table import MiB, format_bytes, table
-from .targets import Target, resolve_target
+from .targets import Target, placed_on, resolve_target
 
 
 # A closed-over array larger than this is refused: it would be baked into the program as a
@@ -90,24 +90,38 @@ def _is_traced(x: Any) -> bool:
     return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
 
 
-def _struct_on(x: Any, where: Target, path: str) -> jax.ShapeDtypeStruct:
-    """`x` as a `ShapeDtypeStruct` whose sharding is on the target's devices."""
-    sharding = getattr(x, "sharding", None)
-    if isinstance(x, np.ndarray | np.generic):
-        sharding = None
-    devices = set(where.devices)
-    if sharding is None or (len(sharding.device_set) == 1 and not sharding.device_set <= devices):
-        # Unsharded (or on one device of another platform, as any concrete array here is):
-        # placed on the target's first device, as a single-device program would be.
-        sharding = SingleDeviceSharding(where.devices[0])
-    elif not sharding.device_set <= devices:
-        raise ValueError(
-            f"The sharding of argument leaf {path} is over devices that target "
-            f"{where.spec!r} does not have: make it on `target.mesh(...)` (or a device in "
-            "`target.devices`)."
+def _chosen_sharding(x: Any) -> Any:
+    """`x`'s sharding if one was chosen for it: not a NumPy array's, nor an uncommitted one's."""
+    if isinstance(x, np.ndarray | np.generic) or not getattr(x, "committed", True):
+        return None
+    return getattr(x, "sharding", None)
+
+
+def _structs_on(
+    leaves: Sequence[tuple[Any, Any]], where: Target, unplaced: Any = "first device"
+) -> list[jax.ShapeDtypeStruct]:
+    """Each `(path, array or struct)` as a `ShapeDtypeStruct` placed by `placed_on`'s rule.
+
+    Unplaced leaves stay uncommitted (`sharding=None`) where another leaf is on the target, so
+    the program replicates them over its devices as a run does with uncommitted arrays; where
+    no leaf is placed, the program is a single-device one on `target.devices[0]` (or, with
+    `unplaced=None`, every leaf stays unplaced for a later call to decide).
+    """
+    shardings = [
+        placed_on(
+            where,
+            _chosen_sharding(x),
+            f"argument leaf {jax.tree_util.keystr(path)}",
+            concrete=not isinstance(x, jax.ShapeDtypeStruct),
         )
-    weak = getattr(x, "weak_type", False)
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding, weak_type=weak)
+        for path, x in leaves
+    ]
+    if unplaced is not None and all(s is None for s in shardings):
+        shardings = [SingleDeviceSharding(where.devices[0])] * len(shardings)
+    return [
+        jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s, weak_type=getattr(x, "weak_type", False))
+        for (_, x), s in zip(leaves, shardings, strict=True)
+    ]
 
 
 def _donated(donate: DonateSpec, num_args: int) -> tuple[int, ...]:
@@ -221,9 +235,11 @@ def plan(
 
     Arguments follow `eqx.filter_jit`'s rules: every JAX array and `jax.ShapeDtypeStruct` leaf
     is traced (an abstract Equinox module, as `eqx.filter_eval_shape` gives, is welcome), every
-    other leaf is static. A leaf's sharding must be over the target's devices (made on
-    `target.mesh(...)`, or a `SingleDeviceSharding` of one of `target.devices`); a leaf with
-    none, or a concrete array of this machine, is planned on `target.devices[0]`.
+    other leaf is static. A struct's sharding must be over the target's devices (made on
+    `target.mesh(...)`, or a `SingleDeviceSharding` of one of `target.devices`); any other is
+    refused. A leaf with none, or a concrete array of this machine on one device, is placed
+    as a run places an uncommitted array: replicated over the devices the other arguments
+    use, or on `target.devices[0]` where none has a sharding on the target.
 
     The plan is XLA's `memory_analysis()` of the program compiled for the target's devices, the
     program a run on that hardware would compile. GPU plans that do not fit compile anyway (XLA
@@ -247,7 +263,7 @@ def plan(
     donated = _donated(donate, len(args))
     dynamic, static = eqx.partition(args, _is_traced)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(dynamic)
-    structs = [_struct_on(x, where, jax.tree_util.keystr(p)) for p, x in leaves]
+    structs = _structs_on(leaves, where)
     dynamic = jax.tree_util.tree_unflatten(treedef, structs)
 
     def call(*dynamic_args):

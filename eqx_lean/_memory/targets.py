@@ -191,6 +191,39 @@ def resolve_target(given: "Target | str") -> Target:
     return where
 
 
+def placed_on(where: Target, sharding: Any, what: str, *, concrete: bool = False) -> Any:
+    """The one rule for where a planned value lives on a target: its sharding, or `None`.
+
+    A sharding that was chosen for the plan (a struct's, or a `sharding=` argument's) must be
+    over the target's devices; any other is refused, naming `what`. A leaf without one, or a
+    concrete array of this machine on one device (its placement says where it was made here,
+    not where it would run), is unplaced: `None`, for the caller to put where a run would put
+    an uncommitted array. A concrete array spread over several devices that are not the
+    target's is refused too.
+
+    **Arguments:**
+
+    - `where`: the target.
+    - `sharding`: the value's sharding, or `None`.
+    - `what`: how an error names the value, such as `"argument leaf [0].weight"`.
+    - `concrete`: whether the value is an array of this machine (not a struct).
+
+    **Returns:**
+
+    `sharding` if it is on the target's devices; `None` if the value is unplaced.
+    """
+    if sharding is None:
+        return None
+    if sharding.device_set <= set(where.devices):
+        return sharding
+    if concrete and len(sharding.device_set) == 1:
+        return None
+    raise ValueError(
+        f"The sharding of {what} is over devices that target {where.spec!r} does not have: "
+        "make it on `target.mesh(...)` (or a device in `target.devices`)."
+    )
+
+
 def _parse_gpu(spec: str) -> tuple[str, int, int] | None:
     match = re.fullmatch(r"(?:(\d+)x)?(?:(\d+)x)?([a-z0-9-]+)", spec)
     if match is None or match.group(3) not in _GPUS:

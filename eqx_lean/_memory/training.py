@@ -7,9 +7,9 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
+from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
-from .plans import Plan, _is_traced, _struct_on, plan
+from .plans import Plan, _is_traced, _structs_on, plan
 from .table import format_bytes, table
 from .targets import Target, resolve_target
 
@@ -20,22 +20,27 @@ def _is_float(x: Any) -> bool:
 
 
 def _placed(tree: Any, where: Target) -> Any:
-    """Every traced leaf of `tree` as a `ShapeDtypeStruct` on the target's devices."""
+    """Every traced leaf of `tree` as a `ShapeDtypeStruct` placed by `plan`'s rule.
+
+    Unplaced leaves keep `sharding=None`; `plan` decides where they go.
+    """
     leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    out = [_struct_on(x, where, jax.tree_util.keystr(p)) if _is_traced(x) else x for p, x in leaves]
+    traced = [(p, x) for p, x in leaves if _is_traced(x)]
+    structs = iter(_structs_on(traced, where, unplaced=None))
+    out = [next(structs) if _is_traced(x) else x for _, x in leaves]
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def _replicated(params: Any, where: Target) -> Sharding:
-    """Replicated over the mesh the parameters use (or the target's first device)."""
+def _replicated(params: Any) -> Sharding | None:
+    """Replicated over the mesh the parameters use (unplaced if they use none)."""
     for leaf in jax.tree.leaves(params):
         sharding = getattr(leaf, "sharding", None)
         if isinstance(sharding, NamedSharding):
             return NamedSharding(sharding.mesh, PartitionSpec())
-    return SingleDeviceSharding(where.devices[0])
+    return None
 
 
-def _mirrored(opt_state: Any, params: Any, replicated: Sharding) -> Any:
+def _mirrored(opt_state: Any, params: Any, replicated: Sharding | None) -> Any:
     """The optimizer state's structs, sharded as the parameters they mirror.
 
     A subtree with the parameters' structure (AdamW's `mu`, `nu`) takes their shardings leaf by
@@ -115,7 +120,7 @@ def train_arguments(
             f"optimizer must be an optax `GradientTransformation` (with `init` and `update`), "
             f"got {type(optimizer).__name__}."
         ) from error
-    opt_state = _mirrored(opt_state, params, _replicated(params, where))
+    opt_state = _mirrored(opt_state, params, _replicated(params))
     return (params, opt_state, frozen, *_placed(tuple(batch), where))
 
 
@@ -145,7 +150,7 @@ def plan_train_step(
     and the batch are arguments too, never donated.
 
     Leaves follow [`eqx_lean.memory.plan`][]'s rules: shardings must be on the target's
-    devices (a leaf with none is planned on `target.devices[0]`). A mesh from `target.mesh`
+    devices (a leaf with none is replicated over the devices the others use). A mesh from `target.mesh`
     has `Explicit` axes by default; a loss whose products would shard one axis twice needs
     `out_sharding=` there, or a mesh made with `axis_types=(jax.sharding.AxisType.Auto,) * n`.
 
