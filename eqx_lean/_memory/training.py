@@ -57,7 +57,7 @@ def _mirrored(opt_state: Any, params: Any, replicated: Sharding | None) -> Any:
     def mirrors(node: Any) -> bool:
         return bool(param_leaves) and jax.tree.structure(node) == param_def
 
-    def struct(x: Any, sharding: Sharding) -> jax.ShapeDtypeStruct:
+    def struct(x: Any, sharding: Sharding | None) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
     def place(node: Any) -> Any:
@@ -150,9 +150,10 @@ def plan_train_step(
     and the batch are arguments too, never donated.
 
     Leaves follow [`eqx_lean.memory.plan`][]'s rules: shardings must be on the target's
-    devices (a leaf with none is replicated over the devices the others use). A mesh from `target.mesh`
-    has `Explicit` axes by default; a loss whose products would shard one axis twice needs
-    `out_sharding=` there, or a mesh made with `axis_types=(jax.sharding.AxisType.Auto,) * n`.
+    devices (a leaf with none is replicated over the devices the others use). A mesh from
+    `target.mesh` has `Explicit` axes by default; a loss whose products would shard one axis
+    twice needs `out_sharding=` there, or a mesh made with
+    `axis_types=(jax.sharding.AxisType.Auto,) * n`.
 
     **Arguments:**
 
