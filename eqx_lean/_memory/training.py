@@ -1,6 +1,7 @@
 """Plans of optax training steps on a target, and the largest batch that fits per remat mode."""
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -267,25 +268,35 @@ class Fit:
         return self.table()
 
 
+def _boundary(points: Sequence[tuple[int, int]], memory: int) -> float:
+    """Where the line through two `(batch, peak)` points reaches `memory` (infinite if flat)."""
+    (a, p_a), (b, p_b) = points
+    slope = (p_b - p_a) / (b - a)
+    return math.inf if slope <= 0 else b + (memory - p_b) / slope
+
+
 def _fit_one(
     plan_at: Callable[[int], Plan], multiple: int, max_batch: int, remat: Any
 ) -> FitResult:
-    """The largest multiple of `multiple` up to `max_batch` whose plan fits.
+    """The largest multiple of `multiple` up to `max_batch` whose plan fits, and whose next
+    multiple does not (the peak need not be monotone in the batch, so this is the first such
+    boundary the search meets).
 
-    Two compiles fit the peak as an affine function of the batch; the predicted boundary and
-    the next multiple are then checked (4 compiles where the peak is affine). Otherwise each
-    new prediction is the line through the last two tries (a secant), alternating with
-    bisection of the bracket after the fourth compile.
+    Two compiles (one and two multiples) fit the peak as a line in the batch. Each further
+    compile is at the boundary of the line through the last two (a secant), kept inside the
+    bracket of what is known to fit and not to: where the peak is affine, the first boundary
+    fits and its next multiple does not, 4 compiles in all. Where two compiles in a row did
+    not halve the bracket, one bisects it.
     """
     plans: dict[int, Plan] = {}
     tried: list[tuple[int, int, bool]] = []
 
-    def at(batch: int) -> Plan:
+    def at(batch: int) -> bool:
         if batch not in plans:
             result = plan_at(batch)
             plans[batch] = result
             tried.append((batch, result.peak, result.fits))
-        return plans[batch]
+        return plans[batch].fits
 
     def done(batch: int) -> FitResult:
         shown = plans[batch] if batch else plans[min(plans)]
@@ -295,32 +306,30 @@ def _fit_one(
         return int(b // multiple) * multiple
 
     top = down(max_batch)
-    if not at(multiple).fits:
+    if not at(multiple):
         return done(0)
     second = min(2 * multiple, top)
-    if second == multiple:
-        return done(multiple)
-    if not at(second).fits:
+    if second == multiple or not at(second):
         return done(multiple)
     memory = plans[multiple].device_memory
-    lo, hi = second, top + multiple  # lo fits; hi is known (or assumed) not to
-    last = (multiple, second)  # the line through these two predicts the boundary
-    bisect = False
+    lo, hi = second, top + multiple  # lo fits; hi does not (or lies beyond max_batch)
+    widths = [hi - lo]
     while hi - lo > multiple:
-        (a, b), (p_a, p_b) = last, (plans[last[0]].peak, plans[last[1]].peak)
-        slope = (p_b - p_a) / (b - a)
-        candidate = top if slope <= 0 else down(b + (memory - p_b) / slope)
-        if bisect or not lo <= candidate < hi:
-            candidate = lo + max(multiple, down((hi - lo) // 2))
-        if candidate == lo:
-            candidate = lo + multiple  # the prediction is lo: check its neighbour
-        if at(candidate).fits:
+        # A secant: the line through the last two compiles. Where two compiles in a row did
+        # not halve the bracket, the peak is far from affine there: bisect instead.
+        if len(widths) >= 3 and widths[-1] > widths[-3] / 2:
+            guess = lo + down((hi - lo) / 2)
+            widths.append(widths[-1])  # the next compile is a secant again
+        else:
+            (a, _, _), (b, _, _) = tried[-2:]
+            boundary = _boundary([(a, plans[a].peak), (b, plans[b].peak)], memory)
+            guess = top if math.isinf(boundary) else down(boundary)
+        candidate = max(lo + multiple, min(guess, hi - multiple, top))
+        if at(candidate):
             lo = candidate
         else:
             hi = candidate
-        # A prediction that missed by more than a multiple twice: bisect every other try.
-        bisect = len(plans) > 4 and not bisect
-        last = (b, candidate)
+        widths.append(hi - lo)
     return done(lo)
 
 
@@ -350,11 +359,12 @@ def fit(
 
     Each step is planned by [`eqx_lean.memory.plan_train_step`][] (donating the trained part
     and the optimizer state). Per remat mode, two compiles (at `batch_multiple` and twice it)
-    fit the per-device peak as an affine function of the batch; the predicted largest batch
-    and the next multiple are then compiled to check it: 4 compiles where the peak is affine
-    in the batch (as for a fixed program shape it usually is), more only where the prediction
-    fails and the bracket is narrowed by interpolation and bisection (see each result's
-    `compiles` and `tried`).
+    fit the per-device peak as an affine function of the batch; each later compile is at the
+    boundary of the line through the last two (a secant), inside the bracket of batches known
+    to fit and not to, until a batch fits and the next multiple does not. That is 4 compiles
+    where the peak is affine in the batch (as for a fixed program shape it nearly is), more
+    where XLA's fusions change with the batch; a bracket that two compiles did not halve is
+    bisected. Each result's `compiles` and `tried` say what was compiled.
 
     **Arguments:**
 
