@@ -64,13 +64,18 @@ def _parser() -> argparse.ArgumentParser:
     lora.add_argument("target", help='a target spec, e.g. "8xh100" or "v5e-16"')
     lora.add_argument("--config", required=True, help="the checkpoint's config.json")
     lora.add_argument("--rank", type=int, default=16, help="LoRA rank (default 16)")
-    lora.add_argument("--batch", type=int, default=1, help="sequences per step (default 1)")
+    lora.add_argument(
+        "--batch",
+        type=int,
+        default=None,
+        help="sequences per step, a multiple of the devices (default: one per device)",
+    )
     lora.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
     lora.add_argument("--remat", default="true", choices=("none", "true"), help="default: true")
     lora.add_argument(
         "--mesh",
         default=None,
-        help="axes as name=size,...: 'data' shards the batch, 'fsdp' the weights "
+        help="axes as name=size,...: both shard the batch, 'fsdp' the weights too "
         "(default: fsdp over every device)",
     )
     return parser
@@ -140,12 +145,16 @@ def _plan_lora(args: argparse.Namespace) -> int:
     # The HF layer sits above `eqx_lean.memory`; only this command needs it.
     from eqx_lean import hf
 
+    from .targets import target
+
     config = hf.MistralConfig.from_json(args.config)
     remat = args.remat == "true"
+    where = target(args.target)
+    batch = len(where.devices) if args.batch is None else args.batch
     plan = hf.plan_lora_step(
         config,
-        args.target,
-        batch_size=args.batch,
+        where,
+        batch_size=batch,
         seq_len=args.seq_len,
         lora_config=hf.lora_config_of_rank(args.rank),
         remat=remat,
@@ -153,7 +162,7 @@ def _plan_lora(args: argparse.Namespace) -> int:
     )
     print(
         f"LoRA step (rank {args.rank}, all seven projections, remat {args.remat}) of "
-        f"{args.config}, batch {args.batch} x {args.seq_len} tokens"
+        f"{args.config}, batch {batch} x {args.seq_len} tokens"
     )
     print(plan)
     return 0 if plan.fits else 1

@@ -81,7 +81,8 @@ def plan_lora_step(
 
     The frozen base is fully sharded: each weight's largest dimension is split over the `fsdp`
     mesh axis (see [`eqx_lean.hf.fsdp_shardings`][]), as are the float32 adapters and their
-    AdamW moments where the axis divides them; the token ids are split over the `data` axis.
+    AdamW moments where the axis divides them. The token ids' rows are split over every mesh
+    axis: each device takes its own rows, the `fsdp` axis being data-parallel too (ZeRO-3).
     The adapters and the optimizer state are donated, as `make_lora_step` donates them.
     Nothing is allocated: the model is abstract and the step is only compiled.
 
@@ -90,7 +91,7 @@ def plan_lora_step(
     - `config`: the decoder's configuration.
     - `target`: a [`eqx_lean.memory.Target`][] or a spec for [`eqx_lean.memory.target`][].
     - `batch_size`, `seq_len`: the token ids' shape; `batch_size` must be a multiple of the
-        `data` axis.
+        number of devices.
     - `lora_config`: the adapters; default rank 16 (alpha 32) on all seven projections.
     - `remat`: as for [`eqx_lean.hf.make_lora_step`][].
     - `mesh_axes`: `(name, size)` pairs over all the target's devices, with names among
@@ -114,9 +115,13 @@ def plan_lora_step(
     mesh = where.mesh(
         tuple(size for _, size in axes), names, axis_types=(AxisType.Auto,) * len(axes)
     )
-    data = mesh.shape.get("data", 1)
-    if batch_size % data:
-        raise ValueError(f"batch_size {batch_size} must be a multiple of the data axis ({data}).")
+    # Every device takes its own rows: the fsdp axis is data-parallel too (ZeRO-3).
+    rows = len(where.devices)
+    if batch_size % rows:
+        raise ValueError(
+            f"batch_size {batch_size} must be a multiple of the number of devices ({rows}): "
+            "the token ids are split over every mesh axis."
+        )
     model = eqx.filter_eval_shape(_abstract_lora_model, config, lora_config, dtype)
     adapters, frozen = eqx.partition(model, lora.lora_filter(model))
     optimizer = adamw(1e-4, weight_decay=0.0)
@@ -133,7 +138,7 @@ def plan_lora_step(
     ids = jax.ShapeDtypeStruct(
         (batch_size, seq_len),
         jnp.int32,
-        sharding=NamedSharding(mesh, PartitionSpec("data" if "data" in mesh.shape else None)),
+        sharding=NamedSharding(mesh, PartitionSpec(names)),
     )
     step = make_lora_step(optimizer, remat=remat)
     return memory.plan(step, frozen, adapters, opt_state, ids, None, target=where, donate=(1, 2))
