@@ -8,6 +8,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +25,7 @@ needs_gpu_plugin = pytest.mark.skipif(
 )
 
 # Every weight's largest dimension is a multiple of 8, so fsdp over 8 devices splits it evenly.
-TINY = dict(
+TINY: dict[str, Any] = dict(
     vocab_size=128,
     hidden_size=64,
     intermediate_size=96,
