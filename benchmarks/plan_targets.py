@@ -3,13 +3,15 @@
     JAX_PLATFORMS=cpu python benchmarks/plan_targets.py            # every case, a process each
     JAX_PLATFORMS=cpu python benchmarks/plan_targets.py build-7b 8xh100   # one case
 
-Cases: `build-7b` (the 32 Mistral-7B blocks built fsdp-sharded, `eqx_lean.memory.estimate`),
+Cases: `build-7b` (the 32 Mistral-7B blocks built fsdp-sharded, `eqx_lean.memory.estimate`;
+`build-7b-rows` compiles its programs one at a time and prints each one's time),
 `lora-7b` (one LoRA AdamW step, rank 16 on all seven projections, remat=True, 256 tokens per
 row, a row per device), `build-175b` (96 GPT-NeoX-shaped blocks, d=12288, MLP 4d, fsdp over
 256 GPUs), `fit-7b` (`eqx_lean.memory.fit` of the LoRA step over three remat modes).
 """
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -51,6 +53,35 @@ def build_7b(spec):
     return est.build_stacked_peak, est.build_stacked_peak <= where.device_memory
 
 
+def build_7b_rows(spec):
+    """`build-7b`, each of `estimate`'s programs compiled in turn and timed (printed)."""
+    import jax
+
+    from eqx_lean import _core
+    from eqx_lean._memory import estimates
+
+    def one_by_one(plan, lowered):
+        start = time.perf_counter()
+        writes = _core.compile_writes(plan)
+        print(f"ROW\tbuild_stacked writes\t{time.perf_counter() - start:.1f} s", flush=True)
+        compiled = {}
+        for name, program in lowered.items():
+            start = time.perf_counter()
+            compiled[name] = program.compile()
+            seconds = time.perf_counter() - start
+            if isinstance(name, str):
+                what = name
+            else:  # (primitive, its params as text, input structs): name the jitted function
+                called = re.search(r"'name': '(\w+)'", name[1])
+                out = jax.tree.leaves(compiled[name].out_info)[0]
+                what = f"eager {called.group(1) if called else name[0]} -> {out.shape}"
+            print(f"ROW\t{what}\t{seconds:.1f} s", flush=True)
+        return writes, compiled
+
+    estimates._compile_side_by_side = one_by_one
+    return build_7b(spec)
+
+
 def build_175b(spec):
     import equinox as eqx
     import jax
@@ -85,36 +116,26 @@ def build_175b(spec):
 
 
 def _lora_7b(where):
+    """The abstract LoRA model, fsdp-sharded as `eqx_lean.hf.plan_lora_step` shards it."""
     import equinox as eqx
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from eqx_lean import lora
-    from eqx_lean.hf import MistralConfig
-    from eqx_lean.hf._checkpoint import abstract_model
+    from eqx_lean.hf import MistralConfig, fsdp_shardings, lora_config_of_rank
+    from eqx_lean.hf._finetune import _abstract_lora_model
 
     mesh = _mesh(where)
     n = len(where.devices)
-    config = MistralConfig()
-    projections = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-    lora_config = lora.LoraConfig(r=16, lora_alpha=32, target_modules=projections)
-    base = abstract_model(config, jnp.bfloat16)
     model = eqx.filter_eval_shape(
-        lambda m: lora.add_lora(m, lora_config, key=jax.random.key(1)), base
+        _abstract_lora_model, MistralConfig(), lora_config_of_rank(16), jnp.bfloat16
     )
-
-    def shard(s):
-        if not isinstance(s, jax.ShapeDtypeStruct):
-            return s
-        # fsdp: the largest dimension the devices divide (not a stack's layer axis).
-        dims = [i for i in range(s.ndim) if s.shape[i] % n == 0 and s.shape[i] > 32]
-        spec = [None] * s.ndim
-        if dims:
-            spec[max(dims, key=lambda i: s.shape[i])] = "data"
-        return jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(mesh, P(*spec)))
-
-    model = jax.tree.map(shard, model)
+    model = jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+        model,
+        fsdp_shardings(model, mesh, axis="data"),
+    )
 
     def make_batch(rows):
         return (
@@ -131,20 +152,11 @@ def _make_loss(remat):
 
 
 def lora_7b(spec):
-    import optax
-
     from eqx_lean import memory
+    from eqx_lean.hf import MistralConfig, plan_lora_step
 
     where = memory.target(spec)
-    model, make_batch, trainable, n = _lora_7b(where)
-    plan = memory.plan_train_step(
-        _make_loss(True),
-        model,
-        optax.adamw(1e-4),
-        *make_batch(n),
-        target=where,
-        trainable=trainable,
-    )
+    plan = plan_lora_step(MistralConfig(), where, batch_size=len(where.devices), seq_len=256)
     print(plan)
     return plan.peak, plan.fits
 
@@ -179,6 +191,7 @@ def _one(case, spec):
     start = time.perf_counter()
     peak, fits = {
         "build-7b": build_7b,
+        "build-7b-rows": build_7b_rows,
         "lora-7b": lora_7b,
         "build-175b": build_175b,
         "fit-7b": fit_7b,

@@ -77,6 +77,9 @@ CPU_JIT_ALLOWANCE = 44 * MiB
 # donation (the donated inputs are deleted, and a donated 1 GiB update on 8 devices peaks at
 # +0.02 MiB). Which buffers the runtime allocates there beyond `memory_analysis()` is not
 # found yet; it grows with the layers (untrimmed, 234 MiB at 4 and 350 at 12): no fixed allowance.
+# Not the matrix libraries (+12.6 to +14.2 % with XNNPACK, YNNPACK fusions or oneDNN off); about
+# 150 MiB is glibc's per-thread arenas (+9.4 % with MALLOC_ARENA_MAX=1, +10.0 % with
+# MALLOC_MMAP_THRESHOLD_=131072): docs/benchmarks.md.
 
 
 def _config(small: bool) -> Any:
@@ -504,7 +507,9 @@ def plan_arguments(small: bool = True) -> dict[str, int]:
 
 def child_env() -> dict[str, str]:
     env = dict(os.environ)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={DEVICES}"
+    env["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={DEVICES}"
+    ).strip()
     env["JAX_PLATFORMS"] = "cpu"
     root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
