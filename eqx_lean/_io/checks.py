@@ -232,3 +232,21 @@ def check_unmapped(
             "every tensor (buffers named '*.rotary_emb.inv_freq' excepted): name a leaf for "
             "each, or pass `strict=False` to load a part of the checkpoint."
         )
+
+
+def check_checkpoint(
+    leaves: Sequence[Leaf],
+    checkpoint: Checkpoint,
+    selected: Sequence[int] | None,
+    layers_given: bool,
+    strict: bool,
+    fn: str,
+) -> None:
+    """Refuses a checkpoint whose layers or tensors do not fit the leaves to load (or, with
+    `strict`, that holds tensors they leave out), before anything is read."""
+    held = 0
+    if selected is not None:
+        held = check_layers(leaves, checkpoint, selected, layers_given=layers_given)
+    check_tensors(leaves, checkpoint, selected, held)
+    if strict:
+        check_unmapped(leaves, checkpoint, selected, whole_model=fn == "load_tensors")

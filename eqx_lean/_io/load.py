@@ -1,8 +1,7 @@
 """Loading: checkpoint tensors streamed into preallocated (and possibly sharded) buffers."""
 
-import contextlib
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any, TypeVar
 
 import equinox as eqx
@@ -34,13 +33,7 @@ from .._core.chunks import (
     fill_chunks,
     plan_chunks,
 )
-from .checks import (
-    Leaf,
-    check_layers,
-    check_tensors,
-    check_unmapped,
-    select_layers,
-)
+from .checks import Leaf, check_checkpoint, select_layers
 from .names import (
     LAYER,
     TensorName,
@@ -50,7 +43,7 @@ from .names import (
     resolve_names,
 )
 from .safetensors import Maps
-from .snapshot import Checkpoint, open_checkpoint
+from .snapshot import Checkpoint, opened
 
 
 M = TypeVar("M")
@@ -280,40 +273,6 @@ def _load(
     with opened(path) as checkpoint:
         check_checkpoint(leaves, checkpoint, selected, layers is not None, strict, fn)
         return layout.combine(_load_into(leaves, checkpoint, selected))
-
-
-def check_checkpoint(
-    leaves: Sequence[Leaf],
-    checkpoint: Checkpoint,
-    selected: Sequence[int] | None,
-    layers_given: bool,
-    strict: bool,
-    fn: str,
-) -> None:
-    """Refuses a checkpoint whose layers or tensors do not fit the leaves to load (or, with
-    `strict`, that holds tensors they leave out), before anything is read."""
-    held = 0
-    if selected is not None:
-        held = check_layers(leaves, checkpoint, selected, layers_given=layers_given)
-    check_tensors(leaves, checkpoint, selected, held)
-    if strict:
-        check_unmapped(leaves, checkpoint, selected, whole_model=fn == "load_tensors")
-
-
-@contextlib.contextmanager
-def opened(path: Any) -> Iterator[Checkpoint]:
-    """`path` opened whole for the block (see `open_checkpoint`); a `Checkpoint` already open
-    is used as it is, and left open."""
-    if not isinstance(path, Checkpoint):
-        with open_checkpoint(path) as checkpoint:
-            yield checkpoint
-        return
-    if path.closed:
-        raise ValueError(
-            f"`path` is a closed checkpoint ({path.describe()}); read it inside its `with "
-            "eqx_lean.open_checkpoint(...)` block, or pass the path itself."
-        )
-    yield path
 
 
 def checkpoint_tensors(

@@ -22,12 +22,13 @@ a save deleted, or SIGBUS through a memory map of one: NFS does not keep a file 
 deleted for an open descriptor.
 """
 
+import contextlib
 import errno
 import os
 import resource
 import stat
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -444,3 +445,19 @@ def open_checkpoint(
         "saves) and nothing was loaded. Load it again once the saves pause, or load from a "
         "copy that no save writes to."
     )
+
+
+@contextlib.contextmanager
+def opened(path: Any) -> Iterator[Checkpoint]:
+    """`path` opened whole for the block (see `open_checkpoint`); a `Checkpoint` already open
+    is used as it is, and left open."""
+    if not isinstance(path, Checkpoint):
+        with open_checkpoint(path) as checkpoint:
+            yield checkpoint
+        return
+    if path.closed:
+        raise ValueError(
+            f"`path` is a closed checkpoint ({path.describe()}); read it inside its `with "
+            "eqx_lean.open_checkpoint(...)` block, or pass the path itself."
+        )
+    yield path

@@ -11,9 +11,9 @@ from jax.sharding import Mesh, Sharding, SingleDeviceSharding
 from .._core import DtypePolicy, LayerAxis, ShardingPolicy, check_dtype_policy
 from .._core.chunk_writes import ALIGN
 from .._core.chunks import ChunkGroup, Target as ChunkTarget, lower_chunk_write, plan_chunks
-from .._io.checks import select_layers
-from .._io.load import _CHUNK_BYTES, _plan_leaves, check_checkpoint, opened
-from .._io.snapshot import Checkpoint
+from .._io.checks import check_checkpoint, select_layers
+from .._io.load import _CHUNK_BYTES, _plan_leaves
+from .._io.snapshot import Checkpoint, opened
 from .plans import shard_bytes
 from .table import format_bytes, table
 from .targets import Target, placed_on, resolve_target
