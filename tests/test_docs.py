@@ -48,9 +48,9 @@ def _exports(module_file: pathlib.Path, qualname: str) -> list[str]:
 
 def _public_names() -> list[str]:
     names = _exports(ROOT / "eqx_lean" / "__init__.py", "eqx_lean")
-    memory = ROOT / "eqx_lean" / "memory.py"
-    if memory.exists() and "eqx_lean.memory" not in {n.rsplit(".", 1)[0] for n in names}:
-        names += _exports(memory, "eqx_lean.memory")
+    # The public subpackages re-export their names from their own `__init__.py`.
+    for package in ("memory", "quant", "lora", "hf"):
+        names += _exports(ROOT / "eqx_lean" / package / "__init__.py", f"eqx_lean.{package}")
     return sorted(set(names))
 
 

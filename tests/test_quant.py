@@ -1,0 +1,179 @@
+"""`eqx_lean.quant`: NF4 bit for bit against bitsandbytes 0.50.2 on CPU, int8 against NumPy."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import eqx_lean
+from eqx_lean.quant import QuantizedArray, quantize
+from eqx_lean.quant._codebooks import DYNAMIC8, NF4
+
+
+torch = pytest.importorskip("torch")
+bnb_functional = pytest.importorskip("bitsandbytes.functional")
+
+_TORCH_DTYPES = {jnp.float32: torch.float32, jnp.bfloat16: torch.bfloat16}
+
+
+def _bnb_nf4(x: np.ndarray, dtype, blocksize: int):
+    """bitsandbytes' packed codes and block scales of `x` (given as float32 values)."""
+    t = torch.from_numpy(np.array(x, np.float32)).to(_TORCH_DTYPES[dtype])
+    packed, state = bnb_functional.quantize_4bit(t, blocksize=blocksize, quant_type="nf4")
+    return packed.reshape(-1).numpy(), state.absmax.numpy(), state
+
+
+def _values(shape, seed, dtype):
+    """Normal values, with blocks of exact zeros and of ties on NF4's midpoints mixed in."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(shape).astype(np.float32)
+    flat = x.reshape(-1)
+    flat[: min(64, flat.size)] = 0.0  # an all-zero block: absmax 0
+    midpoints = (NF4[:-1] + NF4[1:]) / np.float32(2)
+    if flat.size >= 256:  # a block of values on the midpoints (absmax 1): the ties
+        flat[128:143] = midpoints
+        flat[143] = 1.0
+    return np.array(jnp.asarray(x, dtype).astype(jnp.float32))
+
+
+def test_codebooks_are_bitsandbytes():
+    nf4 = bnb_functional.get_4bit_type("nf4", device="cpu").numpy().astype(np.float32)
+    dynamic = bnb_functional.create_dynamic_map(signed=True).numpy().astype(np.float32)
+    np.testing.assert_array_equal(NF4.view(np.uint32), nf4.view(np.uint32))
+    np.testing.assert_array_equal(DYNAMIC8.view(np.uint32), dynamic.view(np.uint32))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize(
+    ("shape", "blocksize"),
+    [
+        ((256, 512), 64),  # full blocks only
+        ((96, 200), 64),  # 19200 values: full blocks
+        ((37, 55), 64),  # 2035 values: a last partial block, an odd count
+        ((3, 1000), 128),
+        ((4, 7), 64),  # one partial block
+    ],
+)
+def test_nf4_codes_and_scales_are_bitsandbytes(shape, blocksize, dtype):
+    x = _values(shape, seed=sum(shape), dtype=dtype)
+    q = quantize(jnp.asarray(x, dtype), blocksize=blocksize)
+    codes, absmax, state = _bnb_nf4(x, dtype, blocksize)
+    np.testing.assert_array_equal(np.asarray(q.codes), codes)
+    np.testing.assert_array_equal(
+        np.asarray(q.scales).view(np.uint32), absmax.astype(np.float32).view(np.uint32)
+    )
+    assert (q.shape, q.blocksize, q.scheme, q.dtype) == (shape, blocksize, "nf4", dtype)
+    # Decoded: bitsandbytes' dequantize_4bit, bit for bit, in float32 and bfloat16.
+    for out in (jnp.float32, jnp.bfloat16):
+        state.dtype = _TORCH_DTYPES[out]  # the dtype bitsandbytes decodes to
+        theirs = bnb_functional.dequantize_4bit(
+            torch.from_numpy(codes).reshape(-1, 1), state, quant_type="nf4"
+        )
+        assert theirs.dtype == _TORCH_DTYPES[out]
+        ours = np.asarray(q.dequantize(out).astype(jnp.float32))
+        np.testing.assert_array_equal(ours, theirs.float().numpy(), err_msg=str(out))
+
+
+def test_nf4_ties_take_the_lower_code():
+    # Values exactly on a midpoint of the table (within a block whose absmax is 1).
+    midpoints = (NF4[:-1] + NF4[1:]) / np.float32(2)
+    x = np.zeros(64, np.float32)
+    x[:15], x[15] = midpoints, 1.0
+    q = quantize(jnp.asarray(x))
+    codes = np.stack([np.asarray(q.codes) >> 4, np.asarray(q.codes) & 15], -1).reshape(-1)
+    np.testing.assert_array_equal(codes[:15], np.arange(15))  # bin i's upper edge: code i
+    np.testing.assert_array_equal(_bnb_nf4(x, jnp.float32, 64)[0], np.asarray(q.codes))
+
+
+def test_nf4_stack_quantises_each_layer_on_its_own():
+    x = np.stack([_values((48, 40), seed=i, dtype=jnp.bfloat16) for i in range(3)])
+    stack = quantize(jnp.asarray(x, jnp.bfloat16), batch_dims=1)
+    assert stack.batch_shape == (3,) and stack.full_shape == (3, 48, 40)
+    for i in range(3):
+        codes, absmax, _ = _bnb_nf4(x[i], jnp.bfloat16, 64)
+        np.testing.assert_array_equal(np.asarray(stack.codes[i]), codes)
+        np.testing.assert_array_equal(np.asarray(stack.scales[i]), absmax)
+    # A layer taken out of the stack (as `fold` slices it) is that layer's QuantizedArray.
+    layer = jax.tree.map(lambda a: a[1], stack)
+    np.testing.assert_array_equal(
+        np.asarray(layer.dequantize(jnp.float32)),
+        np.asarray(quantize(jnp.asarray(x[1], jnp.bfloat16)).dequantize(jnp.float32)),
+    )
+    # And it passes through jit as a pytree.
+    jitted = jax.jit(lambda q: q.dequantize(jnp.bfloat16))(stack)
+    assert jitted.shape == (3, 48, 40) and jitted.dtype == jnp.bfloat16
+
+
+def test_nf4_bytes():
+    q = quantize(jnp.ones((1024, 4096), jnp.bfloat16))
+    # 4 bits per value and one float32 per 64 values: 4.5 bits per value.
+    assert q.nbytes == 1024 * 4096 // 2 + 1024 * 4096 // 64 * 4
+
+
+def _int8_reference(x: np.ndarray):
+    """The scheme in NumPy: per-row absmax * float32(1/127), round half to even, clip."""
+    rows = x.reshape(x.shape[0], -1).astype(np.float32)
+    absmax = np.abs(rows).max(axis=1)
+    scales = np.where(absmax > 0, absmax * np.float32(1 / 127), np.float32(1)).astype(np.float32)
+    codes = np.clip(np.rint(rows / scales[:, None]), -127, 127).astype(np.int8)
+    return codes.reshape(x.shape), scales
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_int8_matches_a_numpy_reference(dtype):
+    x = _values((64, 96), seed=3, dtype=dtype)
+    x[5] = 0.0  # a zero channel decodes to zeros
+    q = quantize(jnp.asarray(x, dtype), "int8")
+    codes, scales = _int8_reference(x)
+    np.testing.assert_array_equal(np.asarray(q.codes), codes)
+    np.testing.assert_array_equal(np.asarray(q.scales), scales)
+    decoded = (codes.astype(np.float32) * scales[:, None]).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(q.dequantize(jnp.float32)), decoded)
+    assert not np.asarray(q.dequantize(jnp.float32))[5].any()
+    # Within half a step of each channel's scale.
+    assert np.all(np.abs(decoded - x) <= scales[:, None] / 2 + 1e-7)
+
+
+def test_quantize_errors():
+    with pytest.raises(ValueError, match="scheme must be one of"):
+        quantize(jnp.ones((4, 4)), "nf3")  # pyright: ignore[reportArgumentType]
+    with pytest.raises(TypeError, match="floating array `x`"):
+        quantize(jnp.ones((4, 4), jnp.int32))
+    with pytest.raises(ValueError, match="batch_dims must be an integer from 0 to x.ndim=2"):
+        quantize(jnp.ones((4, 4)), batch_dims=3)
+    with pytest.raises(ValueError, match="blocksize must be a positive integer"):
+        quantize(jnp.ones((4, 4)), blocksize=0)
+    with pytest.raises(ValueError, match="int8 needs tensors of at least one axis"):
+        quantize(jnp.ones((4,)), "int8", batch_dims=1)
+
+
+def test_public():
+    assert eqx_lean.quant.QuantizedArray is QuantizedArray
+
+
+def test_divide_exactly_is_one_rounding():
+    from eqx_lean.quant._nf4 import divide_exactly
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1000, 512)).astype(np.float32)
+    s = (np.abs(rng.standard_normal(1000)) + 0.1).astype(np.float32)
+    exact = x / s[:, None]
+    # What XLA makes of a plain division by a broadcast divisor: a reciprocal and a product.
+    rewritten = np.asarray(jax.jit(lambda x, s: x / s[:, None])(x, s))
+    assert (rewritten != exact).sum() > 1000
+    ours = np.asarray(jax.jit(lambda x, s: divide_exactly(x, s[:, None]))(x, s))
+    np.testing.assert_array_equal(ours, exact)
+    scalar = np.float32(3.7)
+    np.testing.assert_array_equal(np.asarray(jax.jit(divide_exactly)(x, scalar)), x / scalar)
+
+
+def test_nf4_scales_full_blocks_by_a_reciprocal_and_the_last_by_a_division():
+    # x * (1 / a) and x / a fall on either side of the midpoint between codes 11 and 12.
+    a, x = np.float32(1.779554009437561), np.float32(0.6928027272224426)
+    assert x * (np.float32(1) / a) <= (NF4[11] + NF4[12]) / 2 < x / a
+    values = np.zeros(66, np.float32)
+    values[[0, 1, 64, 65]] = a, x, a, x  # a full block, then a partial block of two
+    q = quantize(jnp.asarray(values))
+    codes = np.stack([np.asarray(q.codes) >> 4, np.asarray(q.codes) & 15], -1).reshape(-1)
+    assert (codes[1], codes[65]) == (11, 12)
+    np.testing.assert_array_equal(np.asarray(q.codes), _bnb_nf4(values, jnp.float32, 64)[0])
