@@ -84,6 +84,7 @@ def fsdp_shardings(tree: Any, mesh: Mesh, axis: str = "data") -> Any:
             return x
         if x.ndim >= 3:  # a stacked leaf: shard the layer's own dimensions, keep the layer axis
             inner = rule(path, jax.ShapeDtypeStruct(x.shape[1:], x.dtype))
+            assert isinstance(inner, NamedSharding)
             sharding = NamedSharding(mesh, P(None, *inner.spec))
         else:
             sharding = rule(path, x)
@@ -363,12 +364,13 @@ def haiku_attention() -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--case", choices=sorted(CASES), action="append")
     names = parser.parse_args().case or list(CASES)
     print(f"jax {jax.__version__}, backend {jax.default_backend()}")
     for name in names:
-        print(f"{name}: {CASES[name].__doc__.splitlines()[0] if CASES[name].__doc__ else ''}")
+        doc = CASES[name].__doc__ or ""
+        print(f"{name}: {doc.splitlines()[0] if doc else ''}")
         CASES[name]()
 
 

@@ -303,6 +303,7 @@ class Load(Case):
         import eqx_lean
 
         like, rule = inputs
+        assert self.directory is not None
         return eqx_lean.load_stacked(self.directory, like, _names, sharding=rule)
 
     def plan(self, inputs: Any, result: Any) -> dict[str, Any]:
@@ -317,6 +318,7 @@ class Load(Case):
         # The files are mapped read-only and each layer's pages released once it is copied:
         # the largest layer's stored bytes are resident (as page cache) at once.
         layers: dict[str, int] = {}
+        assert self.directory is not None
         for name, struct in eqx_lean.checkpoint_tensors(self.directory).items():
             layer = name.split(".")[2]
             layers[layer] = layers.get(layer, 0) + struct.size * struct.dtype.itemsize
@@ -552,7 +554,7 @@ def report(row: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("cases", nargs="*", default=list(CASES), help=f"some of {CASES}")
     parser.add_argument("--small", action="store_true", help="a 2-layer, width-256 stack")
     parser.add_argument("--child", choices=CASES, help=argparse.SUPPRESS)
