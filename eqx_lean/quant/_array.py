@@ -8,7 +8,8 @@ import numpy as np
 from jaxtyping import Array
 
 from ._int8 import int8_decode, int8_encode
-from ._nf4 import batched, nf4_decode, nf4_encode, num_blocks
+from ._nf4 import nf4_decode, nf4_encode, num_blocks
+from ._ops import batched
 
 
 Scheme = Literal["nf4", "int8"]

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int8
 
-from ._nf4 import divide_exactly
+from ._ops import divide_exactly
 
 
 def int8_encode(

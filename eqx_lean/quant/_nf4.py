@@ -19,27 +19,15 @@ dtype. One difference stays: a block whose largest magnitude is a float32 subnor
 1.2e-38) is a zero block here, as XLA:CPU flushes subnormals, where bitsandbytes scales it.
 """
 
-import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jaxtyping import Array, Float, UInt8
 
 from ._codebooks import NF4
+from ._ops import divide_exactly
 
 
 _NF4_BOUNDS = ((NF4[:-1] + NF4[1:]) / np.float32(2)).astype(np.float32)
-
-
-def divide_exactly(x: Array, divisor: Array) -> Array:
-    """`x / divisor` rounded once, as IEEE division (and NumPy, and torch) rounds it.
-
-    XLA rewrites a division by a broadcast value into a product with its reciprocal (two
-    roundings): on 512,000 float32 quotients by a per-row divisor, 135,610 differ in the last
-    bit. Broadcasting the divisor behind an optimisation barrier keeps the division whole.
-    """
-    full = jnp.broadcast_to(divisor, jnp.broadcast_shapes(jnp.shape(x), jnp.shape(divisor)))
-    return x / lax.optimization_barrier(full)
 
 
 def num_blocks(size: int, blocksize: int) -> int:
@@ -96,10 +84,3 @@ def nf4_decode(
     padded = jnp.pad(values, (0, blocks * blocksize - size)).reshape(blocks, blocksize)
     decoded = (padded * absmax[:, None]).reshape(-1)[:size]
     return decoded.astype(dtype).reshape(shape)
-
-
-def batched(fn, batch_dims: int):
-    """`fn` mapped over `batch_dims` leading axes (each tensor quantised on its own)."""
-    for _ in range(batch_dims):
-        fn = jax.vmap(fn)
-    return fn
