@@ -98,14 +98,14 @@ def _chosen_sharding(x: Any) -> Any:
 
 
 def _structs_on(
-    leaves: Sequence[tuple[Any, Any]], where: Target, unplaced: Any = "first device"
+    leaves: Sequence[tuple[Any, Any]], where: Target, *, first_device_if_none: bool = True
 ) -> list[jax.ShapeDtypeStruct]:
     """Each `(path, array or struct)` as a `ShapeDtypeStruct` placed by `placed_on`'s rule.
 
     Unplaced leaves stay uncommitted (`sharding=None`) where another leaf is on the target, so
     the program replicates them over its devices as a run does with uncommitted arrays; where
     no leaf is placed, the program is a single-device one on `target.devices[0]` (or, with
-    `unplaced=None`, every leaf stays unplaced for a later call to decide).
+    `first_device_if_none=False`, every leaf stays unplaced for a later call to decide).
     """
     shardings = [
         placed_on(
@@ -116,7 +116,7 @@ def _structs_on(
         )
         for path, x in leaves
     ]
-    if unplaced is not None and all(s is None for s in shardings):
+    if first_device_if_none and all(s is None for s in shardings):
         shardings = [SingleDeviceSharding(where.devices[0])] * len(shardings)
     return [
         jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s, weak_type=getattr(x, "weak_type", False))

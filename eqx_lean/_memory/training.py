@@ -27,7 +27,7 @@ def _placed(tree: Any, where: Target) -> Any:
     """
     leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
     traced = [(p, x) for p, x in leaves if _is_traced(x)]
-    structs = iter(_structs_on(traced, where, unplaced=None))
+    structs = iter(_structs_on(traced, where, first_device_if_none=False))
     out = [next(structs) if _is_traced(x) else x for _, x in leaves]
     return jax.tree_util.tree_unflatten(treedef, out)
 
@@ -319,7 +319,9 @@ def _fit_one(
         # not halve the bracket, the peak is far from affine there: bisect instead.
         if len(widths) >= 3 and widths[-1] > widths[-3] / 2:
             guess = lo + down((hi - lo) / 2)
-            widths.append(widths[-1])  # the next compile is a secant again
+            # Counted twice, so that the next test sets the bisection's result against the
+            # width before it, not against the width two compiles back.
+            widths.append(widths[-1])
         else:
             (a, _, _), (b, _, _) = tried[-2:]
             boundary = _boundary([(a, plans[a].peak), (b, plans[b].peak)], memory)
