@@ -62,7 +62,8 @@ def test_nf4_codes_and_scales_are_bitsandbytes(shape, blocksize, dtype):
     np.testing.assert_array_equal(
         np.asarray(q.scales).view(np.uint32), absmax.astype(np.float32).view(np.uint32)
     )
-    assert (q.shape, q.blocksize, q.scheme, q.dtype) == (shape, blocksize, "nf4", dtype)
+    assert (q.tensor_shape, q.blocksize, q.scheme, q.dtype) == (shape, blocksize, "nf4", dtype)
+    assert q.shape == shape and q.ndim == len(shape) and not q.double_quantized
     # Decoded: bitsandbytes' dequantize_4bit, bit for bit, in float32 and bfloat16.
     for out in (jnp.float32, jnp.bfloat16):
         state.dtype = _TORCH_DTYPES[out]  # the dtype bitsandbytes decodes to
@@ -89,7 +90,7 @@ def test_nf4_stack_quantises_each_layer_on_its_own():
     # 48 x 41 = 30 full blocks and a partial one (the division path, under vmap).
     x = np.stack([_values((48, 41), seed=i, dtype=jnp.bfloat16) for i in range(3)])
     stack = quantize(jnp.asarray(x, jnp.bfloat16), batch_dims=1)
-    assert stack.batch_shape == (3,) and stack.full_shape == (3, 48, 41)
+    assert stack.batch_shape == (3,) and stack.shape == (3, 48, 41)
     for i in range(3):
         codes, absmax, _ = _bnb_nf4(x[i], jnp.bfloat16, 64)
         np.testing.assert_array_equal(np.asarray(stack.codes[i]), codes)
@@ -182,3 +183,115 @@ def test_nf4_scales_full_blocks_by_a_reciprocal_and_the_last_by_a_division():
     codes = np.stack([np.asarray(q.codes) >> 4, np.asarray(q.codes) & 15], -1).reshape(-1)
     assert (codes[1], codes[65]) == (11, 12)
     np.testing.assert_array_equal(np.asarray(q.codes), _bnb_nf4(values, jnp.float32, 64)[0])
+
+
+def _bnb_blockwise(values: np.ndarray):
+    """bitsandbytes' 8-bit dynamic-map codes and scales of `values` (blocks of 256, on CPU)."""
+    codes, state = bnb_functional.quantize_blockwise(torch.from_numpy(values), blocksize=256)
+    return codes.numpy(), state.absmax.numpy()
+
+
+def _dynamic_map_probes() -> np.ndarray:
+    """Scale-like values, plus values a few ulp either side of the edges of bitsandbytes' 65,536
+    bins (where its table lookup and a nearest-code search disagree), in blocks led by 1.0."""
+    rng = np.random.default_rng(7)
+    scales = (np.abs(rng.standard_normal(256 * 64)) * 0.05).astype(np.float32)
+    edges = ((np.arange(65535) + 0.5) / 65535 * 2 - 1).astype(np.float32).view(np.int32)
+    near = np.concatenate([(edges + d).view(np.float32) for d in (-2, -1, 0, 1, 2)])
+    near = near[np.isfinite(near) & (np.abs(near) <= 1)]
+    near = np.concatenate([near, np.zeros(-len(near) % 255, np.float32)]).reshape(-1, 255)
+    near = np.concatenate([np.ones((len(near), 1), np.float32), near], axis=1).reshape(-1)
+    zeros = np.zeros(256, np.float32)  # an all-zero block
+    tail = rng.standard_normal(100).astype(np.float32)  # a partial last block
+    return np.concatenate([scales - scales.mean(), near, zeros, tail]).astype(np.float32)
+
+
+def test_dynamic_map_codes_are_bitsandbytes():
+    from eqx_lean.quant._dynamic8 import dynamic8_decode, dynamic8_encode
+
+    values = _dynamic_map_probes()
+    codes, absmax = jax.jit(dynamic8_encode, static_argnums=1)(jnp.asarray(values), 256)
+    theirs, their_absmax = _bnb_blockwise(values)
+    np.testing.assert_array_equal(np.asarray(absmax), their_absmax)
+    np.testing.assert_array_equal(np.asarray(codes), theirs)
+    # Not a nearest-code search: that rule differs from bitsandbytes here.
+    scaled = values.reshape(-1)[: len(values) // 256 * 256].reshape(-1, 256)
+    scaled = scaled * (np.float32(1) / np.maximum(their_absmax[: len(scaled), None], 1e-30))
+    nearest = np.abs(scaled.reshape(-1)[:, None] - DYNAMIC8[None, :]).argmin(axis=1)
+    assert (nearest != theirs[: nearest.size]).sum() > 50
+    # Decoded: bitsandbytes' dequantize_blockwise, bit for bit.
+    state = bnb_functional.QuantState(
+        absmax=torch.from_numpy(their_absmax),
+        code=torch.from_numpy(DYNAMIC8.copy()),
+        blocksize=256,
+        dtype=torch.float32,
+    )
+    decoded = bnb_functional.dequantize_blockwise(torch.from_numpy(theirs), state).numpy()
+    ours = np.asarray(dynamic8_decode(codes, absmax, 256))
+    np.testing.assert_array_equal(ours.view(np.uint32), decoded.view(np.uint32))
+
+
+@pytest.mark.parametrize("shape", [(512, 512), (37, 55), (4096, 40)])
+def test_nf4_double_quantisation_is_bitsandbytes(shape):
+    x = _values(shape, seed=5, dtype=jnp.bfloat16)
+    t = torch.from_numpy(x).to(torch.bfloat16)
+    packed, state = bnb_functional.quantize_4bit(
+        t, blocksize=64, quant_type="nf4", compress_statistics=True
+    )
+    q = quantize(jnp.asarray(x, jnp.bfloat16), double_quant=True)
+    assert q.double_quantized
+    np.testing.assert_array_equal(np.asarray(q.codes), packed.reshape(-1).numpy())
+    nested = q.scale_bits
+    assert isinstance(nested, eqx_lean.quant.DoubleQuantizedScales)
+    # The offset is a float32 mean: torch sums in another order, so it may differ in the last
+    # bits. Given bitsandbytes' offset, the nested codes and scales are bitsandbytes' exactly.
+    offset = np.asarray(nested.offset_bits).view(np.float32)
+    assert abs(offset - state.offset.numpy()) <= 4 * np.spacing(np.float32(offset))
+    single = quantize(jnp.asarray(x, jnp.bfloat16))
+    absmax = np.asarray(single.scales)
+    their_codes, their_absmax = _bnb_blockwise(absmax - state.offset.numpy())
+    np.testing.assert_array_equal(state.absmax.numpy(), their_codes)
+    from eqx_lean.quant._dynamic8 import dynamic8_encode
+
+    codes, absmax2 = dynamic8_encode(jnp.asarray(absmax - state.offset.numpy()), 256)
+    np.testing.assert_array_equal(np.asarray(codes), their_codes)
+    np.testing.assert_array_equal(np.asarray(absmax2), state.state2.absmax.numpy())
+    # Decoding the stored form is bitsandbytes' dequantize_4bit, bit for bit, from its state.
+    from eqx_lean.quant._array import DoubleQuantizedScales, _bits
+
+    theirs = eqx_lean.quant.QuantizedArray(
+        jnp.asarray(packed.reshape(-1).numpy()),
+        DoubleQuantizedScales(
+            jnp.asarray(state.absmax.numpy()),
+            _bits(jnp.asarray(state.state2.absmax.numpy())),
+            _bits(jnp.asarray(state.offset.numpy())),
+        ),
+        shape,
+        "nf4",
+        64,
+        np.dtype(jnp.bfloat16),
+    )
+    decoded = bnb_functional.dequantize_4bit(packed, state).float().numpy()
+    ours = np.asarray(theirs.dequantize(jnp.bfloat16).astype(jnp.float32))  # the state's dtype
+    np.testing.assert_array_equal(ours, decoded)
+    # And our own stored form decodes close to the single-quantised values.
+    # 1 byte a block, 4 per (started) group of 256 blocks and 4 for the offset, against 4.
+    blocks = single.scale_bits.shape[-1]
+    assert q.scale_bits.nbytes == blocks + 4 * -(-blocks // 256) + 4
+    # (A zero block's scale decodes near, not at, zero, as in bitsandbytes: its codes are 0.)
+    assert np.abs(np.asarray(q.scales) - absmax).max() < 0.02 * absmax.max()
+
+
+def test_quantized_array_is_not_an_array():
+    q = quantize(jnp.ones((8, 64)), name="layers.mlp.up_proj.weight")
+    for use in (lambda: q @ jnp.ones(64), lambda: jnp.ones(8) @ q, lambda: jnp.asarray(q)):
+        with pytest.raises(TypeError, match=r"`layers.mlp.up_proj.weight` is a nf4-quantised"):
+            use()
+    with pytest.raises(TypeError, match="only eqx_lean.quant.QuantizedLinear"):
+        _ = q * 2.0
+    # No inexact leaf: gradients and optimizers pass it by.
+    import equinox as eqx
+
+    assert not any(eqx.is_inexact_array(x) for x in jax.tree.leaves(q))
+    nested = quantize(jnp.ones((8, 64)), double_quant=True)
+    assert not any(eqx.is_inexact_array(x) for x in jax.tree.leaves(nested))

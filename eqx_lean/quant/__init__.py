@@ -1,6 +1,7 @@
 """Quantised frozen weights: NF4 (QLoRA's, bit for bit bitsandbytes') and int8 per channel."""
 
 from ._array import (
+    DoubleQuantizedScales as DoubleQuantizedScales,
     QuantizedArray as QuantizedArray,
     is_quantized as is_quantized,
     quantize as quantize,
