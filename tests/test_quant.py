@@ -295,3 +295,16 @@ def test_quantized_array_is_not_an_array():
     assert not any(eqx.is_inexact_array(x) for x in jax.tree.leaves(q))
     nested = quantize(jnp.ones((8, 64)), double_quant=True)
     assert not any(eqx.is_inexact_array(x) for x in jax.tree.leaves(nested))
+
+
+def test_widen_exactly_reads_the_stored_values():
+    from eqx_lean.quant._ops import widen_exactly
+
+    bits = np.arange(2**16, dtype=np.uint16)
+    for dtype in (jnp.bfloat16, jnp.float16):
+        x = jnp.asarray(bits.view(jnp.dtype(dtype)))
+        want = np.asarray(x).astype(np.float32)
+        got = np.asarray(jax.jit(widen_exactly)(x))
+        finite = np.isfinite(want)
+        np.testing.assert_array_equal(got[finite].view(np.uint32), want[finite].view(np.uint32))
+        assert np.array_equal(np.isnan(got), np.isnan(want)), dtype

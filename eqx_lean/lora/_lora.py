@@ -27,6 +27,7 @@ from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 import eqx_lean
 
 from .._product import linear_product
+from ..quant._linear import QuantizedLinear
 from ._select import LoraConfig, dotted, matches, unmatched_entries
 
 
@@ -42,7 +43,9 @@ class LoraLinear(eqx.Module):
 
     **Fields:**
 
-    - `base`: the frozen `eqx.nn.Linear` (with or without bias).
+    - `base`: the frozen `eqx.nn.Linear` (with or without bias), or a
+        [`eqx_lean.quant.QuantizedLinear`][] (QLoRA), whose weight is dequantised for the
+        base product only.
     - `lora_A`: `[*layers, r, in]`.
     - `lora_B`: `[*layers, out, r]`.
     - `config`: the [`LoraConfig`][] (static).
@@ -54,7 +57,7 @@ class LoraLinear(eqx.Module):
         `keep_adapters=True`); the adapters are then not applied again.
     """
 
-    base: eqx.nn.Linear
+    base: eqx.nn.Linear | QuantizedLinear
     lora_A: Float[Array, "*layers r in"]
     lora_B: Float[Array, "*layers out r"]
     config: LoraConfig = eqx.field(static=True)
@@ -65,7 +68,10 @@ class LoraLinear(eqx.Module):
         self, x: Float[Array, "... in"], *, key: PRNGKeyArray | None = None
     ) -> Float[Array, "... out"]:
         """Applies the layer to `x` (any leading axes); dropout only when `key` is given."""
-        y = linear_product(x, self.base.weight)
+        if isinstance(self.base, QuantizedLinear):  # dequantised for this product only
+            y = linear_product(x, self.base.weight.dequantize().astype(x.dtype))
+        else:
+            y = linear_product(x, self.base.weight)
         bias = self.base.bias
         if bias is not None:  # explicit leading axes: no implicit rank promotion
             bias = bias.reshape((1,) * (y.ndim - 1) + bias.shape)
@@ -275,7 +281,7 @@ def add_lora(
     config: LoraConfig,
     *,
     key: PRNGKeyArray,
-    types: tuple[type, ...] = (eqx.nn.Linear,),
+    types: tuple[type, ...] = (eqx.nn.Linear, QuantizedLinear),
     dtype: Any = jnp.float32,
     names: Callable[[Any, Any], str] | None = None,
 ) -> PyTree:
@@ -306,7 +312,8 @@ def add_lora(
         dotted path (`layers.self_attn.q_proj`), see [`LoraConfig`][].
     - `key`: the random key for the `A` matrices.
     - `types`: the module types that may be adapted; they must have `weight` (`[out, in]`)
-        and `bias` fields like `eqx.nn.Linear`.
+        and `bias` fields like `eqx.nn.Linear`. The default adapts `eqx.nn.Linear`s and
+        quantised [`eqx_lean.quant.QuantizedLinear`][]s (QLoRA).
     - `dtype`: the adapters' dtype; float32 (master weights that small updates do not round
         away, as PEFT keeps them) whatever the base's dtype.
     - `names`: match `target_modules` against the names this function gives the base weights

@@ -22,6 +22,7 @@ import eqx_lean
 
 from .. import _platform
 from .._core import as_bits
+from ..quant._linear import QuantizedLinear
 from ._lora import LoraLinear, lora_sites, replace_modules
 
 
@@ -109,6 +110,12 @@ def merge_lora(model: PyTree, *, donate: bool = False, keep_adapters: bool = Fal
     """
     new = {}
     for path, layer in lora_sites(model):
+        if isinstance(layer.base, QuantizedLinear):
+            raise ValueError(
+                f"`model` must have unquantised bases to merge into; "
+                f"{jax.tree_util.keystr(path)} is a QuantizedLinear (its merged weight would "
+                "not be quantised the same). Save the adapters with `save_adapters` instead."
+            )
         if layer.merged:
             new_layer = layer if keep_adapters else layer.base
         else:

@@ -30,6 +30,7 @@ from jaxtyping import PyTree
 
 import eqx_lean
 
+from ..quant._linear import QuantizedLinear
 from ._lora import (
     LoraLinear,
     TargetError,
@@ -259,7 +260,7 @@ def load_adapters(
     path: str | os.PathLike,
     names: Names,
     *,
-    types: tuple[type, ...] = (eqx.nn.Linear,),
+    types: tuple[type, ...] = (eqx.nn.Linear, QuantizedLinear),
 ) -> PyTree:
     """Loads PEFT adapters (written by PEFT's `save_pretrained` or [`save_adapters`][]) onto
     `model`, in float32, with `eqx_lean.load_tensors`.

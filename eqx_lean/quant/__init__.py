@@ -6,3 +6,10 @@ from ._array import (
     is_quantized as is_quantized,
     quantize as quantize,
 )
+from ._linear import (
+    QuantConfig as QuantConfig,
+    QuantizedLinear as QuantizedLinear,
+    dequantized_linear as dequantized_linear,
+    quantize_linears as quantize_linears,
+    quantizing as quantizing,
+)

@@ -11,7 +11,7 @@ from jaxtyping import Array, Float
 from ._dynamic8 import dynamic8_decode, dynamic8_encode
 from ._int8 import int8_decode, int8_encode
 from ._nf4 import nf4_decode, nf4_encode, num_blocks
-from ._ops import batched
+from ._ops import batched, divide_exactly, halving_sum, one_by_one, widen_exactly
 
 
 Scheme = Literal["nf4", "int8"]
@@ -76,11 +76,13 @@ def double_quantize(
     """`scales` (each tensor's NF4 block scales, on the last axis) double-quantised."""
 
     def encode_one(values: Array) -> tuple[Array, Array, Array]:
-        offset = jnp.mean(values)
+        # One offset, used as computed: without the barrier XLA may fuse a second copy of the
+        # mean into the subtraction, computed another way, and store one but subtract another.
+        offset = lax.optimization_barrier(divide_exactly(halving_sum(values), values.shape[0]))
         codes, absmax = dynamic8_encode(values - offset, blocksize)
         return codes, _bits(absmax), _bits(offset)
 
-    codes, absmax_bits, offset_bits = batched(encode_one, scales.ndim - 1)(scales)
+    codes, absmax_bits, offset_bits = one_by_one(encode_one, scales, scales.ndim - 1)
     return DoubleQuantizedScales(codes, absmax_bits, offset_bits, blocksize)
 
 
@@ -247,12 +249,14 @@ def quantize(
             f"batch_dims must be an integer from 0 to x.ndim={x.ndim}, got {batch_dims!r}."
         )
     shape = tuple(x.shape[batch_dims:])
+    source_dtype = np.dtype(x.dtype)
+    x = widen_exactly(x)  # see its docstring: the values as stored, in float32
     if scheme == "nf4":
         if not isinstance(blocksize, int) or blocksize < 1:
             raise ValueError(f"blocksize must be a positive integer, got {blocksize!r}.")
         if not shape or 0 in shape:
             raise ValueError(f"nf4 needs tensors with values; x's tensors have shape {shape}.")
-        codes, scales = batched(lambda t: nf4_encode(t, blocksize), batch_dims)(x)
+        codes, scales = one_by_one(lambda t: nf4_encode(t, blocksize), x, batch_dims)
         assert scales.shape[-1] == num_blocks(int(np.prod(shape)), blocksize)
         stored = double_quantize(scales) if double_quant else _bits(scales)
     else:
@@ -263,9 +267,9 @@ def quantize(
                 "int8 needs tensors of at least one axis (the output channels) after the "
                 f"batch axes; x has shape {x.shape} with batch_dims={batch_dims}."
             )
-        codes, scales = batched(int8_encode, batch_dims)(x)
+        codes, scales = one_by_one(int8_encode, x, batch_dims)
         stored, blocksize = _bits(scales), 0
-    return QuantizedArray(codes, stored, shape, scheme, blocksize, np.dtype(x.dtype), name)
+    return QuantizedArray(codes, stored, shape, scheme, blocksize, source_dtype, name)
 
 
 def is_quantized(x: Any) -> bool:

@@ -1,0 +1,185 @@
+"""`QuantizedLinear`, `quantize_linears` and `quantizing`: quantised bases computing through
+`fold`, under LoRA, built one layer at a time, and refusing any other use."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import eqx_lean
+from eqx_lean.lora import LoraConfig, add_lora, lora_filter, merge_lora
+from eqx_lean.quant import (
+    QuantConfig,
+    QuantizedArray,
+    QuantizedLinear,
+    dequantized_linear,
+    quantize_linears,
+    quantizing,
+)
+
+
+class Block(eqx.Module):
+    up: eqx.nn.Linear
+    down: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        self.up = eqx.nn.Linear(64, 96, key=k1)
+        self.down = eqx.nn.Linear(96, 64, use_bias=False, key=k2)
+
+
+def _block_call(block, x):
+    up = block.up
+    h = up.project(x) if hasattr(up, "project") else jax.vmap(up)(x)
+    down = block.down
+    return x + (
+        down.project(jax.nn.gelu(h)) if hasattr(down, "project") else jax.vmap(down)(jax.nn.gelu(h))
+    )
+
+
+class Model(eqx.Module):
+    blocks: Block
+    lm_head: eqx.nn.Linear
+
+
+def _model(dtype=jnp.bfloat16, layers=3):
+    keys = jax.random.split(jax.random.key(0), layers)
+    blocks = eqx_lean.build_stacked(Block, keys, dtype)
+    head = eqx.nn.Linear(64, 10, use_bias=False, key=jax.random.key(1))
+    return Model(
+        blocks, jax.tree.map(lambda a: a.astype(dtype) if eqx.is_inexact_array(a) else a, head)
+    )
+
+
+def _run(model, x):
+    return eqx_lean.fold(model.blocks, x, call=_block_call)
+
+
+def _dequantized(model):
+    return jax.tree.map(
+        lambda n: dequantized_linear(n) if isinstance(n, QuantizedLinear) else n,
+        model,
+        is_leaf=lambda n: isinstance(n, QuantizedLinear),
+    )
+
+
+def test_quantize_linears_selects_all_linear_but_the_head():
+    q = quantize_linears(_model())
+    assert isinstance(q.blocks.up, QuantizedLinear) and isinstance(q.blocks.down, QuantizedLinear)
+    assert isinstance(q.lm_head, eqx.nn.Linear)  # left unquantised, as transformers does
+    assert q.blocks.up.weight.shape == (3, 96, 64) and q.blocks.up.weight.batch_shape == (3,)
+    assert q.blocks.up.weight.name == "blocks.up.weight"
+    assert q.blocks.up.bias is not None and q.blocks.up.bias.dtype == jnp.bfloat16
+    only_up = quantize_linears(_model(), QuantConfig("int8", target_modules=["up"]))
+    assert (
+        isinstance(only_up.blocks.up, QuantizedLinear) and only_up.blocks.up.weight.scheme == "int8"
+    )
+    assert isinstance(only_up.blocks.down, eqx.nn.Linear)
+    with pytest.raises(
+        ValueError, match=r"entries \['gate'\] name no module of `model`.*blocks.down"
+    ):
+        quantize_linears(_model(), QuantConfig(target_modules=["gate"]))
+
+
+@pytest.mark.parametrize("double_quant", [False, True])
+def test_fold_over_a_quantised_stack_equals_its_dequantised_model(double_quant):
+    # The reference: plain eqx.nn.Linear layers holding the dequantised weights, run by fold.
+    q = quantize_linears(_model(), QuantConfig(double_quant=double_quant))
+    x = jax.random.normal(jax.random.key(2), (5, 64), jnp.bfloat16)
+    got = jax.jit(_run)(q, x)
+    want = jax.jit(_run)(_dequantized(q), x)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    # And a Python loop over the layers, one QuantizedArray sliced out at a time.
+    loop = x
+    for i in range(3):
+        loop = _block_call(jax.tree.map(lambda a: a[i], q.blocks), loop)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(loop, np.float32))
+
+
+def test_qlora_gradients_reach_the_adapters_only():
+    config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
+    q = quantize_linears(_model(jnp.float32))
+    lora = add_lora(q, config, key=jax.random.key(3))
+    assert isinstance(lora.blocks.up.base, QuantizedLinear)
+    # Nonzero B, so the adapters act.
+    lora = eqx.tree_at(
+        lambda m: m.blocks.up.lora_B, lora, jnp.full_like(lora.blocks.up.lora_B, 0.01)
+    )
+    reference = add_lora(_dequantized(q), config, key=jax.random.key(3))
+    reference = eqx.tree_at(
+        lambda m: m.blocks.up.lora_B, reference, jnp.full_like(reference.blocks.up.lora_B, 0.01)
+    )
+    x = jax.random.normal(jax.random.key(4), (5, 64), jnp.float32)
+
+    def loss(model):
+        return jnp.sum(_run(model, x) ** 2)
+
+    spec = lora_filter(lora)
+    grads = eqx.filter_jit(eqx.filter_grad(lambda a, b: loss(eqx.combine(a, b))))(
+        *eqx.partition(lora, spec)
+    )
+    ref_spec = lora_filter(reference)
+    ref_grads = eqx.filter_jit(eqx.filter_grad(lambda a, b: loss(eqx.combine(a, b))))(
+        *eqx.partition(reference, ref_spec)
+    )
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-6)
+    # Differentiating the whole model: the quantised weights have no inexact leaf, so no
+    # gradient (None under eqx.filter_grad), while biases and adapters get theirs.
+    whole = eqx.filter_jit(eqx.filter_grad(loss))(lora)
+    assert all(
+        leaf is None
+        for leaf in jax.tree.leaves(whole.blocks.up.base.weight, is_leaf=lambda x: x is None)
+    )
+    assert whole.blocks.up.base.bias is not None and whole.blocks.up.lora_A is not None
+
+
+def test_quantizing_builds_what_quantize_linears_makes_of_the_built_stack():
+    keys = jax.random.split(jax.random.key(5), 4)
+    config = QuantConfig(double_quant=True)
+    built = eqx_lean.build_stacked(quantizing(Block, config, jnp.bfloat16), keys, jnp.bfloat16)
+    reference = quantize_linears(eqx_lean.build_stacked(Block, keys, jnp.bfloat16), config)
+    assert jax.tree.structure(built) == jax.tree.structure(reference)
+    for a, b in zip(jax.tree.leaves(built), jax.tree.leaves(reference), strict=True):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_quantised_weight_used_as_an_array_is_refused_by_name():
+    class ReadsWeight(eqx.Module):
+        up: eqx.nn.Linear
+
+        def __call__(self, x):
+            return self.up.weight @ x  # bypasses the layer
+
+    model = quantize_linears(ReadsWeight(eqx.nn.Linear(64, 8, key=jax.random.key(0))))
+    with pytest.raises(
+        TypeError, match=r"`up.weight` is a nf4-quantised weight of shape \(8, 64\)"
+    ):
+        model(jnp.ones(64))
+    # An eqx.nn.Linear given a QuantizedArray weight fails the same way.
+    linear = eqx.nn.Linear(64, 8, key=jax.random.key(0))
+    linear = eqx.tree_at(
+        lambda m: m.weight, linear, eqx_lean.quant.quantize(linear.weight, name="w")
+    )
+    with pytest.raises(TypeError, match="`w` is a nf4-quantised weight"):
+        linear(jnp.ones(64))
+
+
+def test_merging_into_a_quantised_base_is_refused():
+    lora = add_lora(
+        quantize_linears(_model()), LoraConfig(r=2, target_modules=["up"]), key=jax.random.key(0)
+    )
+    with pytest.raises(ValueError, match=r"\.blocks\.up is a QuantizedLinear"):
+        merge_lora(lora)
+
+
+def test_quant_config_errors():
+    with pytest.raises(ValueError, match="`scheme` must be 'nf4' or 'int8'"):
+        QuantConfig("fp4")  # pyright: ignore[reportArgumentType]
+    with pytest.raises(ValueError, match="`blocksize` must be an even integer"):
+        QuantConfig(blocksize=63)
+    with pytest.raises(ValueError, match="`double_quant` applies to the nf4 scheme only"):
+        QuantConfig("int8", double_quant=True)
+    assert isinstance(QuantConfig().quantize(jnp.ones((4, 64))), QuantizedArray)
