@@ -93,7 +93,7 @@ def test_fold_over_a_quantised_stack_equals_its_dequantised_model(double_quant):
     # And a Python loop over the layers, one QuantizedArray sliced out at a time.
     loop = x
     for i in range(3):
-        loop = _block_call(jax.tree.map(lambda a: a[i], q.blocks), loop)
+        loop = _block_call(jax.tree.map(lambda a, i=i: a[i], q.blocks), loop)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(loop, np.float32))
 
 

@@ -14,8 +14,10 @@ from jaxtyping import Array
 
 import eqx_lean
 
+from ..quant._linear import QuantConfig
 from ._config import MistralConfig
 from ._model import DecoderBlock, Mistral, RMSNorm, _linear_from_weight, _resolve_dtype, make_block
+from ._quantized import load_quantized, quant_config, refuse_prequantized
 
 
 _EMBED, _NORM, _HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
@@ -245,6 +247,7 @@ def load_hf(
     dtype: Any = None,
     sharding: Any = None,
     strict: bool = True,
+    quantize: Any = None,
 ) -> Mistral:
     """Loads a HuggingFace Mistral, Llama or Qwen2 checkpoint directory with
     [`eqx_lean.load_tensors`][].
@@ -272,21 +275,37 @@ def load_hf(
         [`eqx_lean.fsdp`][].
     - `strict`: `False` loads the layers `config.json` asks for even if the weights hold more,
         and ignores tensors the model has no leaf for. Shapes must match either way.
+    - `quantize`: `None`; or `"nf4"`, `"int8"` or an [`eqx_lean.quant.QuantConfig`][] to
+        load the decoder's linear layers as [`eqx_lean.quant.QuantizedLinear`][]s (QLoRA's
+        base). Each weight is quantised as it streams from the file, a few rows at a time, from
+        its values in `dtype`: the process holds the quantised model plus a few MiB, never a
+        full-precision layer. The result equals quantising the model loaded without it
+        ([`eqx_lean.quant.quantize_linears`][]). Embeddings, norms, biases and the head stay
+        in `dtype`. Not with `sharding`. A checkpoint saved quantised (a
+        `quantization_config` in `config.json`, as `*-bnb-4bit` repositories) is refused.
 
     **Returns:**
 
     The [`Mistral`][] model.
     """
+    quant = quant_config(quantize)
+    if quant is not None and sharding is not None:
+        raise ValueError("`quantize` loads onto one device: pass `sharding=None` with it.")
     if isinstance(path, eqx_lean.Checkpoint):
-        return _load_opened(path, path.source, dtype, sharding, strict)
+        return _load_opened(path, path.source, dtype, sharding, strict, quant)
     path = os.fspath(path)
     _require_weights(path)
     with eqx_lean.open_checkpoint(path, files=["config.json", _GENERATION]) as checkpoint:
-        return _load_opened(checkpoint, path, dtype, sharding, strict)
+        return _load_opened(checkpoint, path, dtype, sharding, strict, quant)
 
 
 def _load_opened(
-    checkpoint: eqx_lean.Checkpoint, path: str, dtype: Any, sharding: Any, strict: bool
+    checkpoint: eqx_lean.Checkpoint,
+    path: str,
+    dtype: Any,
+    sharding: Any,
+    strict: bool,
+    quant: QuantConfig | None = None,
 ) -> Mistral:
     config_file = os.path.join(path, "config.json")
     try:
@@ -301,6 +320,7 @@ def _load_opened(
             f"`path` must be a HF checkpoint directory holding config.json; {config_file} does "
             "not exist."
         )
+    refuse_prequantized(raw, config_file)
     config = MistralConfig.from_json_bytes(raw, config_file)
     config = _with_generation_eos(checkpoint, path, config)
     dtype = _resolve_dtype(config, dtype)
@@ -308,6 +328,13 @@ def _load_opened(
     _check_config(checkpoint, path, config, like, strict)
     layers = None if strict else config.num_hidden_layers
     stored_head = _HEAD in eqx_lean.checkpoint_tensors(checkpoint)
+    if quant is not None:
+        if config.tie_word_embeddings and stored_head:
+            raise ValueError(
+                f"{config_file} ties the head to the embeddings but the checkpoint stores a "
+                "head: load it without `quantize` (then `eqx_lean.quant.quantize_linears`)."
+            )
+        return load_quantized(checkpoint, like, _hf_name, quant, strict, layers, path)
     if not (config.tie_word_embeddings and stored_head):
         return eqx_lean.load_tensors(
             checkpoint, like, _hf_name, sharding=sharding, layers=layers, strict=strict

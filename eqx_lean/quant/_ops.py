@@ -63,9 +63,7 @@ def widen_exactly(x: Array) -> Array:
         exponent, mantissa = (bits >> 10) & 31, bits & 1023
         normal = sign | ((exponent + 112) << 23) | (mantissa << 13)
         special = sign | (255 << 23) | (mantissa << 13)  # inf and nan
-        wide = lax.bitcast_convert_type(
-            jnp.where(exponent == 31, special, normal), jnp.float32
-        )
+        wide = lax.bitcast_convert_type(jnp.where(exponent == 31, special, normal), jnp.float32)
         # Subnormals (and zeros): mantissa * 2^-24, exact in float32.
         tiny = mantissa.astype(jnp.float32) * np.float32(2.0**-24)
         tiny = jnp.where(sign > 0, -tiny, tiny)
