@@ -154,12 +154,14 @@ def build(args: argparse.Namespace) -> None:
 def load_command(args: argparse.Namespace) -> None:
     from eqx_lean.hf import load_hf
 
+    if args.quantize and args.save:
+        raise SystemExit("--save writes a full-precision checkpoint: not with --quantize.")
     jax.devices()
     idle_anon = _status_kib("RssAnon")
     sampler = _AnonymousPeak()
     sampler.start()
     start = time.perf_counter()
-    model = load_hf(args.checkpoint, dtype=args.dtype)
+    model = load_hf(args.checkpoint, dtype=args.dtype, quantize=args.quantize)
     jax.block_until_ready(model)
     seconds = time.perf_counter() - start
     load_peak = sampler.peak_kib - idle_anon
@@ -216,7 +218,7 @@ def finetune_command(args: argparse.Namespace) -> None:
         use_rslora=args.rslora,
         lora_dropout=args.dropout,
     )
-    model = load_hf(args.checkpoint, dtype=args.dtype)
+    model = load_hf(args.checkpoint, dtype=args.dtype, quantize=args.quantize)
     config = model.config
     # Documents are separated by the first end id (the tokenizer's `eos_token`), where a
     # checkpoint lists several.
@@ -321,6 +323,9 @@ def _target_modules(targets: list[str]) -> tuple[str, ...]:
     return tuple(f"{t}_proj" if t in _ALL_TARGETS else t for t in targets)
 
 
+_QUANTIZE_HELP = "quantise the decoder's linear layers as they load (QLoRA's base: nf4)"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         prog="python -m examples.mistral7b",
@@ -346,6 +351,7 @@ def main() -> None:
     p.add_argument("--checkpoint", required=True)
     p.add_argument("--dtype", default=None)
     p.add_argument("--save", default="", help="also write the model here with save_hf")
+    p.add_argument("--quantize", default=None, choices=["nf4", "int8"], help=_QUANTIZE_HELP)
     p.set_defaults(run=load_command)
 
     p = commands.add_parser("generate", help="generate from a HF checkpoint directory")
@@ -378,6 +384,7 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--dtype", default=None, help="the base's dtype (default: the checkpoint's)")
+    p.add_argument("--quantize", default=None, choices=["nf4", "int8"], help=_QUANTIZE_HELP)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save-adapters", default="", help="write the adapters here (PEFT format)")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per batch")
