@@ -321,6 +321,21 @@ def llama70b_lora() -> None:
         )
 
 
+@case
+def llama70b_qlora() -> None:
+    """QLoRA on one H100: the same step on an NF4 base (`plan_lora_step(quantize="nf4")`),
+    1x2048 tokens, remat, against the bfloat16 base, which cannot fit (131 GiB of weights)."""
+    for quantize in ("nf4", None):
+        p = hf.plan_lora_step(
+            LLAMA70, "h100", batch_size=1, seq_len=2048, remat=True, quantize=quantize
+        )
+        plan_row(
+            f"make_lora_step, r=16 x7, remat, 1x2048, {quantize or 'bfloat16'} base",
+            p,
+            "fits" if p.fits else "does not fit",
+        )
+
+
 # --- 5. Haiku seed: an attention block's init, un-jitted vs jitted ------------------------------
 
 ATTN_D, ATTN_HEADS, ATTN_LAYERS = 8192, 64, 8

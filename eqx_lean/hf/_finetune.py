@@ -26,6 +26,7 @@ from jax import lax
 from jaxtyping import Array
 
 from .. import lora  # the module, not its names: see the note on annotations above
+from ..quant._linear import quantize_linears
 from ._config import MistralConfig
 from ._data import batches
 from ._model import Mistral, init
@@ -234,9 +235,11 @@ def finetune(
 
 
 def _abstract_lora_model(
-    config: MistralConfig, lora_config: lora.LoraConfig, dtype: Any
+    config: MistralConfig, lora_config: lora.LoraConfig, dtype: Any, quantize: Any = None
 ) -> Mistral:
     base = init(config, key=jax.random.key(0), dtype=dtype)
+    if quantize is not None:
+        base = quantize_linears(base, quantize)
     return lora.add_lora(base, lora_config, key=jax.random.key(1))
 
 

@@ -12,6 +12,7 @@ from .. import lora, memory
 from .._memory.targets import resolve_target
 from ._config import MistralConfig
 from ._finetune import _abstract_lora_model, make_lora_step
+from ._quantized import quant_config
 from ._train import adamw
 
 
@@ -71,6 +72,7 @@ def plan_lora_step(
     remat: bool = True,
     mesh_axes: Sequence[tuple[str, int]] | None = None,
     dtype: Any = jnp.bfloat16,
+    quantize: Any = None,
 ) -> "memory.Plan":
     """XLA's per-device memory plan of one LoRA AdamW step (`make_lora_step`) on a target.
 
@@ -97,6 +99,9 @@ def plan_lora_step(
     - `mesh_axes`: `(name, size)` pairs over all the target's devices, with names among
         `"data"` and `"fsdp"`; default: `fsdp` over every device.
     - `dtype`: the frozen base's dtype.
+    - `quantize`: `None`, `"nf4"`, `"int8"` or an [`eqx_lean.quant.QuantConfig`][]: plan the
+        step on a base whose decoder linears are quantised (QLoRA), as
+        `load_hf(..., quantize=...)` loads it.
 
     **Returns:**
 
@@ -122,7 +127,8 @@ def plan_lora_step(
             f"batch_size {batch_size} must be a multiple of the number of devices ({rows}): "
             "the token ids are split over every mesh axis."
         )
-    model = eqx.filter_eval_shape(_abstract_lora_model, config, lora_config, dtype)
+    quant = quant_config(quantize)
+    model = eqx.filter_eval_shape(_abstract_lora_model, config, lora_config, dtype, quant)
     adapters, frozen = eqx.partition(model, lora.lora_filter(model))
     optimizer = adamw(1e-4, weight_decay=0.0)
     opt_state = jax.eval_shape(optimizer.init, adapters)
