@@ -17,9 +17,11 @@ codes by bisection:
 Measured (2026-11-25, the 2-core box, this script): on 65,536 values at three scales the kernel
 differs from nearest-code in 95-101 codes and from midpoint bucketing in the same 95-101; its
 boundaries sit up to 1.5e-5 from the midpoints, in both directions (codes 177/178: 0.0634469
-against 0.0634375); the measured boundaries used as a threshold table miss 0-1 codes (and 1-11
-in 200,000 in an earlier probe). The rule the kernel follows is not found yet, so eqx_lean does
-not reproduce it: double quantisation is left out of `eqx_lean.quant` until it does.
+against 0.0634375). Half a bin of a 65,536-bin table over [-1, 1] is 1.5e-5: bitsandbytes'
+source (`csrc/cpu_ops.cpp`, `quantize_cpu_impl`, since 0.50.0) reads each code from such a
+table, `lut[(v + 1) * 0.5 * 65535 + 0.5]`, bin `i` holding the code nearest its centre
+`-1 + 2i / 65535`. That rule ("bin table" below, `eqx_lean.quant._dynamic8`) differs in 0
+codes; `tests/test_quant.py` checks it on values a few ulp either side of every bin edge.
 """
 
 import numpy as np
@@ -31,9 +33,18 @@ def codes_by_rules(values: np.ndarray, code: np.ndarray) -> dict[str, np.ndarray
     """Each rule's codes for values already scaled into [-1, 1]."""
     ties_low = np.abs(values[:, None] - code[None, :]).argmin(axis=1)
     midpoints = ((code[:-1] + code[1:]) / np.float32(2)).astype(np.float32)
+    bins = (
+        (np.clip(values, -1, 1) + np.float32(1)) * np.float32(0.5) * np.float32(65535)
+        + np.float32(0.5)
+    ).astype(np.uint16)
+    centres = np.float32(-1) + (np.float32(2) * np.arange(65536, dtype=np.float32)) / np.float32(
+        65535
+    )
+    table = np.searchsorted(midpoints, centres.astype(np.float32), side="left")
     return {
         "nearest code": ties_low,
         "midpoint bucketing": np.searchsorted(midpoints, values, side="left"),
+        "bin table": table[bins],
     }
 
 
@@ -67,7 +78,9 @@ def main() -> None:
         rng = np.random.default_rng(seed)
         values = (rng.standard_normal(65536) * scale).astype(np.float32)
         got, absmax = native(values, 256)
-        scaled = (values.reshape(-1, 256) / absmax[:, None]).reshape(-1).astype(np.float32)
+        # x * (1 / absmax), as the kernel scales
+        inverse = (np.float32(1) / absmax).astype(np.float32)
+        scaled = (values.reshape(-1, 256) * inverse[:, None]).reshape(-1).astype(np.float32)
         rules = codes_by_rules(scaled, code)
         rules["measured boundaries"] = np.searchsorted(bounds, scaled, side="right")
         row = ", ".join(f"{name} {int((c != got).sum())}" for name, c in rules.items())

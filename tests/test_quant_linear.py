@@ -66,15 +66,19 @@ def _dequantized(model):
 
 def test_quantize_linears_selects_all_linear_but_the_head():
     q = quantize_linears(_model())
-    assert isinstance(q.blocks.up, QuantizedLinear) and isinstance(q.blocks.down, QuantizedLinear)
+    up = q.blocks.up
+    assert isinstance(up, QuantizedLinear) and isinstance(q.blocks.down, QuantizedLinear)
     assert isinstance(q.lm_head, eqx.nn.Linear)  # left unquantised, as transformers does
-    assert q.blocks.up.weight.shape == (3, 96, 64) and q.blocks.up.weight.batch_shape == (3,)
-    assert q.blocks.up.weight.name == "blocks.up.weight"
-    assert q.blocks.up.bias is not None and q.blocks.up.bias.dtype == jnp.bfloat16
+    weight = up.weight
+    assert isinstance(weight, QuantizedArray)
+    assert weight.shape == (3, 96, 64) and weight.batch_shape == (3,)
+    assert weight.name == "blocks.up.weight"
+    assert up.bias is not None and up.bias.dtype == jnp.bfloat16
     only_up = quantize_linears(_model(), QuantConfig("int8", target_modules=["up"]))
-    assert (
-        isinstance(only_up.blocks.up, QuantizedLinear) and only_up.blocks.up.weight.scheme == "int8"
-    )
+    up = only_up.blocks.up
+    weight = up.weight
+    assert isinstance(up, QuantizedLinear) and isinstance(weight, QuantizedArray)
+    assert weight.scheme == "int8"
     assert isinstance(only_up.blocks.down, eqx.nn.Linear)
     with pytest.raises(
         ValueError, match=r"entries \['gate'\] name no module of `model`.*blocks.down"

@@ -64,6 +64,7 @@ def _merged_plain(
 
 def _folded(layer: LoraLinear, sign: float, donate: bool) -> Array:
     """`layer.base.weight + sign * scale * B A`, per layer for a stacked weight."""
+    assert isinstance(layer.base, eqx.nn.Linear)  # `merge_lora` refuses quantised bases
     weight = layer.base.weight if donate else jnp.copy(layer.base.weight)
     # The same float32 `scale * B A` is added by a merge and subtracted by an unmerge.
     scale = jnp.asarray(sign * layer.config.scale, jnp.float32)

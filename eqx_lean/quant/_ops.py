@@ -7,12 +7,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jaxtyping import Array
+from jaxtyping import Array, ArrayLike
 
 from .._platform import barrier_on_cpu
 
 
-def divide_exactly(x: Array, divisor: Array) -> Array:
+def divide_exactly(x: Array, divisor: ArrayLike) -> Array:
     """`x / divisor` rounded once, as IEEE division (and NumPy, and torch) rounds it.
 
     XLA:CPU rewrites a division by a broadcast value into a product with its reciprocal (two
