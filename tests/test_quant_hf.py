@@ -140,3 +140,19 @@ def test_quantised_load_errors(checkpoint):
             checkpoint, quantize="nf4", sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0])
         )
     assert eqx_lean.quant.QuantizedLinear is QuantizedLinear
+
+
+def test_quantised_load_is_strict_about_extra_tensors(checkpoint, tmp_path):
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    extra = tmp_path / "extra"
+    shutil.copytree(checkpoint, extra)
+    tensors = load_file(extra / "model.safetensors")
+    tensors["model.layers.0.mlp.extra.weight"] = np.zeros((2, 2), np.float32)
+    save_file(tensors, extra / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"holds tensors the model has no leaf for: \['model"):
+        load_hf(extra, quantize="nf4")
+    loaded = load_hf(extra, quantize="nf4", strict=False)
+    assert isinstance(loaded.layers.mlp.up_proj, QuantizedLinear)

@@ -38,10 +38,15 @@ def _named_leaves(like: Mistral) -> list[tuple[str, Any]]:
 
 
 def _hf_names(config: MistralConfig) -> list[str]:
+    return _tensor_names(abstract_model(config))
+
+
+def _tensor_names(like: Mistral) -> list[str]:
+    """Every HF tensor name `like` has a leaf for, one per layer for a block leaf."""
     names = []
-    for template, _ in _named_leaves(abstract_model(config)):
+    for template, _ in _named_leaves(like):
         if "{i}" in template:
-            names.extend(template.format(i=i) for i in range(config.num_hidden_layers))
+            names.extend(template.format(i=i) for i in range(like.config.num_hidden_layers))
         else:
             names.append(template)
     return names
@@ -334,7 +339,8 @@ def _load_opened(
                 f"{config_file} ties the head to the embeddings but the checkpoint stores a "
                 "head: load it without `quantize` (then `eqx_lean.quant.quantize_linears`)."
             )
-        return load_quantized(checkpoint, like, _hf_name, quant, strict, layers, path)
+        expected = set(_tensor_names(like))
+        return load_quantized(checkpoint, like, _hf_name, quant, strict, layers, path, expected)
     if not (config.tie_word_embeddings and stored_head):
         return eqx_lean.load_tensors(
             checkpoint, like, _hf_name, sharding=sharding, layers=layers, strict=strict

@@ -7,6 +7,7 @@ full-precision layer stack, nor the file's pages beyond the chunk being read.
 """
 
 import json
+from collections.abc import Collection
 from typing import Any
 
 import equinox as eqx
@@ -16,8 +17,8 @@ import jax.numpy as jnp
 import eqx_lean
 
 from .._io.checks import IGNORED_BUFFERS
-from .._targets import dotted, matches, unmatched_entries
-from ..quant._linear import QuantConfig, QuantizedLinear
+from .._targets import dotted
+from ..quant._linear import QuantConfig, QuantizedLinear, chosen_modules
 from ..quant._load import load_quantized_stack
 from ._model import Mistral
 
@@ -53,31 +54,20 @@ def refuse_prequantized(raw_config: bytes, config_file: str) -> None:
 
 def _chosen_linears(like: Mistral, config: QuantConfig) -> dict[tuple[Any, ...], Any]:
     """The stacked decoder linears (key path to abstract module) that `config` quantises."""
-
-    def is_linear(node: Any) -> bool:
-        return isinstance(node, eqx.nn.Linear)
-
-    flat = jax.tree_util.tree_flatten_with_path(like, is_leaf=is_linear)[0]
-    candidates = {
-        dotted(jax.tree_util.keystr(path)): (path, node) for path, node in flat if is_linear(node)
-    }
-    unmatched = unmatched_entries(config.target_modules, list(candidates))
-    if unmatched:
-        raise ValueError(
-            f"`quantize.target_modules` entries {unmatched} name no linear layer of the model; "
-            f"the candidates are {sorted(candidates)}."
-        )
-    chosen = {}
-    for name, (path, node) in candidates.items():
-        if not matches(config.target_modules, name):
-            continue
+    chosen = chosen_modules(
+        like,
+        config.target_modules,
+        (eqx.nn.Linear,),
+        "`quantize.target_modules`",
+        "linear layer of the model",
+    )
+    for path, node in chosen.items():
         if node.weight.ndim != 3:
             raise ValueError(
-                f"`quantize.target_modules` selects {name}, which is not a stacked decoder "
-                "layer; loading quantises the decoder layers only (the head and embeddings "
-                "stay unquantised)."
+                f"`quantize.target_modules` selects {dotted(jax.tree_util.keystr(path))}, which "
+                "is not a stacked decoder layer; loading quantises the decoder layers only (the "
+                "head and embeddings stay unquantised)."
             )
-        chosen[path] = node
     return chosen
 
 
@@ -89,8 +79,18 @@ def load_quantized(
     strict: bool,
     layers: int | None,
     path: str,
+    expected: Collection[str],
 ) -> Mistral:
-    """`like` loaded with the linears `config` chooses quantised (see the module docstring)."""
+    """`like` loaded with the linears `config` chooses quantised (see the module docstring);
+    with `strict`, a checkpoint tensor outside `expected` (the model's names) is an error."""
+    if strict:  # before anything is allocated
+        stored = eqx_lean.checkpoint_tensors(checkpoint)
+        extra = sorted(n for n in stored if n not in expected and not n.endswith(IGNORED_BUFFERS))
+        if extra:
+            raise ValueError(
+                f"The checkpoint in {path} holds tensors the model has no leaf for: {extra[:5]}"
+                f"{' ...' if len(extra) > 5 else ''}. Pass `strict=False` to ignore them."
+            )
     chosen = _chosen_linears(like, config)
     weight_paths = {(*p, jax.tree_util.GetAttrKey("weight")) for p in chosen}
     placeholder = jnp.zeros((0,), jnp.uint8)
@@ -105,46 +105,26 @@ def load_quantized(
 
     rest = jax.tree_util.tree_map_with_path(without_chosen, like)
     loaded = eqx_lean.load_tensors(checkpoint, rest, names, layers=layers, strict=False)
-    stored = eqx_lean.checkpoint_tensors(checkpoint)
     count = like.config.num_hidden_layers
-    expected = set()
-    for leaf_path, leaf in jax.tree_util.tree_leaves_with_path(like):
-        template = name_of(leaf_path, leaf)
-        indices = range(count) if "{i}" in template else [None]
-        expected.update(template.format(i=i) if i is not None else template for i in indices)
-    if strict:
-        extra = sorted(n for n in stored if n not in expected and not n.endswith(IGNORED_BUFFERS))
-        if extra:
-            raise ValueError(
-                f"The checkpoint in {path} holds tensors the model has no leaf for: {extra[:5]}"
-                f"{' ...' if len(extra) > 5 else ''}. Pass `strict=False` to ignore them."
-            )
-    new = {}
+    stacks = {}
     for module_path, node in chosen.items():
         weight_path = (*module_path, jax.tree_util.GetAttrKey("weight"))
-        template = name_of(weight_path, node.weight)
         _, out_features, in_features = node.weight.shape
-        quantized = load_quantized_stack(
+        stacks[module_path] = load_quantized_stack(
             checkpoint,
-            template,
+            name_of(weight_path, node.weight),
             range(count),
             (out_features, in_features),
             node.weight.dtype,
             config,
             f"{dotted(jax.tree_util.keystr(module_path))}.weight",
         )
-        module = _find(loaded, module_path)
-        new[module_path] = QuantizedLinear(quantized, module.bias, in_features, out_features)
 
-    def is_chosen(node_path: Any, node: Any) -> Any:
-        return new.get(node_path, node)
+    def with_quantized(node_path: Any, node: Any) -> Any:
+        if node_path not in stacks:
+            return node
+        return QuantizedLinear(stacks[node_path], node.bias, node.in_features, node.out_features)
 
     return jax.tree_util.tree_map_with_path(
-        is_chosen, loaded, is_leaf=lambda n: isinstance(n, eqx.nn.Linear)
+        with_quantized, loaded, is_leaf=lambda n: isinstance(n, eqx.nn.Linear)
     )
-
-
-def _find(tree: Any, path: tuple[Any, ...]) -> Any:
-    for key in path:
-        tree = getattr(tree, key.name)
-    return tree

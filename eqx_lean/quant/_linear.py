@@ -88,13 +88,17 @@ class QuantizedLinear(eqx.Module):
     in_features: int = eqx.field(static=True)
     out_features: int = eqx.field(static=True)
 
+    def weight_for(self, dtype: Any) -> Float[Array, "*layers out in"]:
+        """The weight dequantised for a product in `dtype`: decoded in the dtype it was
+        quantised from, then cast, as bitsandbytes' `Linear4bit` does."""
+        return self.weight.dequantize().astype(dtype)
+
     def project(
         self, x: Float[Array, "... in"], *, key: PRNGKeyArray | None = None
     ) -> Float[Array, "... out"]:
         """Applies the layer to `x` (any leading axes); `key` is unused."""
         del key
-        weight = self.weight.dequantize().astype(x.dtype)
-        y = linear_product(x, weight)
+        y = linear_product(x, self.weight_for(x.dtype))
         if self.bias is not None:
             y = y + self.bias.astype(y.dtype).reshape((1,) * (y.ndim - 1) + (-1,))
         return y
@@ -149,27 +153,42 @@ def quantize_linears(
     names the candidates when a `target_modules` entry matches none of them.
     """
     types = tuple(types)
-
-    def is_candidate(node: Any) -> bool:
-        return isinstance(node, types)
-
-    flat = jax.tree_util.tree_flatten_with_path(model, is_leaf=is_candidate)[0]
-    candidates = [(dotted(jax.tree_util.keystr(p)), p) for p, node in flat if is_candidate(node)]
-    names = [name for name, _ in candidates]
-    unmatched = unmatched_entries(config.target_modules, names)
-    if unmatched:
-        raise ValueError(
-            f"`target_modules` entries {unmatched} name no module of `model` of types "
-            f"{[t.__name__ for t in types]}; the candidates are {sorted(names)}."
-        )
-    chosen = {p for name, p in candidates if matches(config.target_modules, name)}
+    chosen = chosen_modules(
+        model,
+        config.target_modules,
+        types,
+        "`target_modules`",
+        f"module of `model` of types {[t.__name__ for t in types]}",
+    )
 
     def swap(path: Any, node: Any) -> Any:
         if path not in chosen:
             return node
         return quantized_linear(node, config, dotted(jax.tree_util.keystr(path)))
 
-    return jax.tree_util.tree_map_with_path(swap, model, is_leaf=is_candidate)
+    return jax.tree_util.tree_map_with_path(swap, model, is_leaf=lambda n: isinstance(n, types))
+
+
+def chosen_modules(
+    model: Any, targets: Any, types: tuple[type, ...], field: str, noun: str
+) -> dict[tuple[Any, ...], Any]:
+    """The modules of one of `types` in `model` that `targets` (canonical `target_modules`)
+    selects, by key path, in tree order. An entry naming none of the candidates is a
+    `ValueError` that names `field`, what the candidates are (`noun`) and the candidates."""
+
+    def is_candidate(node: Any) -> bool:
+        return isinstance(node, types)
+
+    flat = jax.tree_util.tree_flatten_with_path(model, is_leaf=is_candidate)[0]
+    candidates = {
+        dotted(jax.tree_util.keystr(p)): (p, node) for p, node in flat if is_candidate(node)
+    }
+    unmatched = unmatched_entries(targets, list(candidates))
+    if unmatched:
+        raise ValueError(
+            f"{field} entries {unmatched} name no {noun}; the candidates are {sorted(candidates)}."
+        )
+    return {p: node for name, (p, node) in candidates.items() if matches(targets, name)}
 
 
 def quantizing(make_layer: Any, config: QuantConfig, dtype: Any) -> Any:
