@@ -4,7 +4,7 @@ import json
 import math
 import os
 import struct
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -20,6 +20,27 @@ from .carry import OtherWeights
 from .load import bounded
 from .names import check_transpose_rank, layer_count, require_all_stacked, resolve_names
 from .safetensors import ALIGN, DTYPE_CODES
+
+
+class ComputedTensor(jax.ShapeDtypeStruct):
+    """A leaf that a save computes as it writes it, one layer at a time: for a value that is
+    never held whole, such as a quantised weight written dequantised, with an adapter merged.
+
+    **Arguments:**
+
+    - `shape`, `dtype`: the leaf's, as an array's (a stacked leaf's shape has the layer axis).
+    - `read`: `read(layer)` gives layer `layer`'s value as a host array of `shape[1:]` for a
+        stacked leaf; `read(None)` the whole value for a plain one. Called once per tensor
+        written, at the moment it is written.
+    """
+
+    def __init__(self, shape: tuple[int, ...], dtype: Any, read: Callable[[int | None], Any]):
+        super().__init__(shape, dtype)
+        self.read = read
+
+
+def _is_saved(x: Any) -> bool:
+    return eqx.is_array(x) or isinstance(x, ComputedTensor)
 
 
 class _Record(NamedTuple):
@@ -41,7 +62,7 @@ def _inverse(axes: tuple[int, ...] | None) -> tuple[int, ...] | None:
 
 def _plan_records(tree: Any, names: Any, fn: str) -> tuple[list[Any], list[_Record]]:
     layout = Layout.of(tree)
-    arrays = [x for _, x in jax.tree_util.tree_flatten_with_path(eqx.filter(tree, eqx.is_array))[0]]
+    arrays = jax.tree.leaves(eqx.filter(tree, _is_saved))
     if len(arrays) != len(layout.paths):
         raise TypeError(
             f"`{fn}` needs arrays to write, but the model has `jax.ShapeDtypeStruct` leaves."
@@ -151,7 +172,15 @@ def _host_layer(array: jax.Array, layer: int, dtype: np.dtype) -> np.ndarray:
 
 
 def _host_tensor(array: Any, record: _Record) -> np.ndarray:
-    if record.layer is None:
+    if isinstance(array, ComputedTensor):
+        value = np.asarray(array.read(record.layer))
+        expected = array.shape if record.layer is None else array.shape[1:]
+        if value.shape != expected or value.dtype != record.dtype:
+            raise ValueError(
+                f"A computed tensor must give {record.dtype}{list(expected)} for {record.name!r}; "
+                f"it gave {value.dtype}{list(value.shape)}."
+            )
+    elif record.layer is None:
         value = np.asarray(array)
     elif isinstance(array, jax.Array):
         value = _host_layer(array, record.layer, record.dtype)
@@ -192,7 +221,7 @@ def _check_save_arguments(max_shard_bytes: Any, metadata: Any) -> dict[str, str]
 
 
 def _check_arrays(tree: Any, arrays: Sequence[Any], fn: str) -> None:
-    paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(eqx.filter(tree, eqx.is_array))[0]]
+    paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(eqx.filter(tree, _is_saved))[0]]
     for path, x in zip(paths, arrays, strict=True):
         if not isinstance(x, jax.Array):
             continue

@@ -405,6 +405,7 @@ def save_hf(
     max_shard_bytes: int = 2 * 2**30,
     other_weights: Literal["refuse", "keep", "drop"] = "refuse",
     files: Mapping[str, bytes | os.PathLike] | None = None,
+    merge_adapters: bool = False,
 ) -> None:
     """Writes `model` as a HuggingFace checkpoint that `transformers` loads.
 
@@ -418,8 +419,11 @@ def save_hf(
     (tokenizer, generation config) are copied into the new directory; see
     [`eqx_lean.save_stacked`][] for what a save owns, carries over and refuses.
 
-    A model with LoRA adapters is refused: merge them first ([`merge_lora`][]), or save the
-    adapters alone ([`save_adapters`][]).
+    A model with LoRA adapters is refused unless `merge_adapters` is set: merge them first
+    ([`merge_lora`][]), save the adapters alone ([`save_adapters`][]), or let the save merge
+    them. Quantised layers ([`eqx_lean.quant.QuantizedLinear`][]) are written dequantised, in
+    the dtype they were quantised from, one layer at a time: the checkpoint holds the weights
+    the model computes with, and the save never holds a dequantised stack.
 
     **Arguments:**
 
@@ -432,16 +436,25 @@ def save_hf(
     - `files`: more files for the same atomic directory, by name: their bytes, or a path to
         copy (such as the base checkpoint's tokenizer files). Not `config.json`, which this
         writes.
+    - `merge_adapters`: write each LoRA adapter folded into its base weight, `W + scale * B A`
+        in float32 rounded once to the weight's dtype (as [`merge_lora`][] computes it), as
+        each layer is written. `model` is not changed. This is how adapters trained on a
+        quantised base are merged: into its dequantised weights, which are what they were
+        trained against, written in the dtype the base was quantised from.
     """
-    from ..lora import lora_paths  # here: `eqx_lean.lora` imports `eqx_lean.hf` modules
+    # Here: `eqx_lean.lora` imports `eqx_lean.hf` modules.
+    from ..lora import lora_paths
+    from ..lora._merge import merged_on_write
 
+    model = merged_on_write(model, merge_adapters=merge_adapters)
     adapted = list(lora_paths(model))
     if adapted:
         raise ValueError(
             f"`model` must have plain projections to be saved as a HF checkpoint; its {adapted} "
             "hold unmerged LoRA adapters, which `transformers` would not load (it would draw "
-            "fresh projections in their place). Merge them into the base weights first with "
-            "`merge_lora(model)`, or save the adapters alone with `save_adapters(model, path)`."
+            "fresh projections in their place). Merge them as the save writes them with "
+            "`merge_adapters=True`, or into the base weights first with `merge_lora(model)`, or "
+            "save the adapters alone with `save_adapters(model, path)`."
         )
     if files is not None and "config.json" in files:
         raise ValueError("`files` must not hold 'config.json': save_hf writes it from the model.")

@@ -1,5 +1,9 @@
 """Folding LoRA adapters into the base weights, `W + scale * B A`, and back out again.
 
+`merged_on_write` folds them as a save writes each layer instead, for bases that cannot be
+updated in place (quantised ones: the merged weight is written in the dtype they were
+quantised from, one layer at a time, never a dequantised stack).
+
 [`merge_lora`][] returns a plain model (each [`LoraLinear`][] replaced by its base with the
 adapter folded in), or, with `keep_adapters=True`, one whose `LoraLinear`s hold the merged
 base and are marked `merged` (they then skip the adapter in their call), which
@@ -15,6 +19,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jaxtyping import Array, Float, PyTree
 
@@ -22,7 +27,10 @@ import eqx_lean
 
 from .. import _platform
 from .._core import as_bits
-from ..quant._linear import QuantizedLinear
+from .._io.save import ComputedTensor
+from ..quant._array import QuantizedArray
+from ..quant._linear import QuantizedLinear, linear_with_weight
+from ..quant._ops import widen_exactly
 from ._lora import LoraLinear, lora_sites, replace_modules
 
 
@@ -115,7 +123,9 @@ def merge_lora(model: PyTree, *, donate: bool = False, keep_adapters: bool = Fal
             raise ValueError(
                 f"`model` must have unquantised bases to merge into; "
                 f"{jax.tree_util.keystr(path)} is a QuantizedLinear (its merged weight would "
-                "not be quantised the same). Save the adapters with `save_adapters` instead."
+                "not be quantised the same). Merge them as a save writes each layer with "
+                "`save_hf(model, path, merge_adapters=True)`, or save the adapters alone with "
+                "`save_adapters`."
             )
         if layer.merged:
             new_layer = layer if keep_adapters else layer.base
@@ -167,3 +177,88 @@ def unmerge_lora(model: PyTree, *, donate: bool = False) -> PyTree:
             "to unmerge; it has none."
         )
     return replace_modules(model, new, ())
+
+
+@functools.partial(jax.jit, static_argnames=("with_adapter", "dtype"))
+def _dequantized_layer(
+    weight: QuantizedArray,
+    lora_a: Array | None,
+    lora_b: Array | None,
+    scale: Array | None,
+    index: Array | None,
+    with_adapter: bool,
+    dtype: Any,
+) -> Array:
+    """Layer `index` (`None`: all of an unstacked weight) of `weight` dequantised to `dtype`,
+    plus `scale * B A` in float32 (rounded to `dtype` once) when `with_adapter`."""
+
+    def pick(x: Array) -> Array:
+        return x if index is None else lax.dynamic_index_in_dim(x, index, keepdims=False)
+
+    w = jax.tree.map(pick, weight).dequantize(dtype)
+    if not with_adapter:
+        return w
+    assert lora_a is not None and lora_b is not None and scale is not None
+    a, b = pick(lora_a).astype(jnp.float32), pick(lora_b).astype(jnp.float32)
+    delta = jnp.matmul(b, a, precision=lax.Precision.HIGHEST) * scale
+    # From the bits: the merge adds to the dequantised weight as stored in `dtype` (as
+    # `merge_lora` of the dequantised model does), and XLA would otherwise skip its rounding.
+    return (widen_exactly(w) + delta).astype(dtype)
+
+
+def _computed_weight(weight: Any, dtype: Any, adapter: LoraLinear | None) -> ComputedTensor:
+    """The (merged) weight of one module, computed one layer at a time as a save writes it."""
+    stacked = (weight.ndim if isinstance(weight, jax.Array) else len(weight.shape)) == 3
+    shape = tuple(weight.shape)
+    lora_a = lora_b = scale = None
+    if adapter is not None:
+        lora_a, lora_b = adapter.lora_A, adapter.lora_B
+        scale = jnp.asarray(adapter.config.scale, jnp.float32)
+
+    def read(layer: int | None) -> Any:
+        index = None if layer is None or not stacked else jnp.int32(layer)
+        if isinstance(weight, QuantizedArray):
+            value = _dequantized_layer(
+                weight, lora_a, lora_b, scale, index, with_adapter=adapter is not None, dtype=dtype
+            )
+        elif index is None:
+            value = _merged_plain(jnp.copy(weight), lora_a, lora_b, scale)
+        else:
+            bit_reads = _platform.Tricks.for_platform(_platform.platform_of([weight.sharding]))
+            value = _merged_layer(
+                weight, lora_a, lora_b, scale, index, bit_reads=bit_reads.bit_writes
+            )
+        return np.asarray(value)
+
+    return ComputedTensor(shape, dtype, read)
+
+
+def merged_on_write(model: PyTree, *, merge_adapters: bool) -> PyTree:
+    """`model` as plain linear layers for a save, their weights computed as it writes them.
+
+    Every [`eqx_lean.quant.QuantizedLinear`][] becomes an `eqx.nn.Linear` whose weight is
+    dequantised to the dtype it was quantised from, one layer at a time. With
+    `merge_adapters`, every [`LoraLinear`][] becomes its base with `W + scale * B A` (in
+    float32, rounded once to the weight's dtype, as [`merge_lora`][] computes it), also one
+    layer at a time; `model` itself is not changed. Without it, adapters are left as they are.
+    """
+    new = {}
+    sites = lora_sites(model) if merge_adapters else []
+    for path, layer in sites:
+        base = layer.base
+        if layer.merged:
+            new[jax.tree_util.keystr(path)] = base
+        elif isinstance(base, QuantizedLinear):
+            weight = _computed_weight(base.weight, base.weight.dtype, layer)
+            new[jax.tree_util.keystr(path)] = linear_with_weight(base, weight)
+        else:
+            weight = _computed_weight(base.weight, base.weight.dtype, layer)
+            new[jax.tree_util.keystr(path)] = _with_weight(base, weight)
+    model = replace_modules(model, new, ())
+
+    def plain(node: Any) -> Any:
+        if isinstance(node, QuantizedLinear):
+            return linear_with_weight(node, _computed_weight(node.weight, node.weight.dtype, None))
+        return node
+
+    return jax.tree.map(plain, model, is_leaf=lambda x: isinstance(x, QuantizedLinear | LoraLinear))

@@ -236,7 +236,11 @@ class _Quantizing:
 def dequantized_linear(linear: QuantizedLinear, dtype: Any = None) -> eqx.nn.Linear:
     """An `eqx.nn.Linear` holding `linear`'s dequantised weight (in `dtype`, default the dtype
     it was quantised from) and its bias."""
-    weight = linear.weight.dequantize(dtype)
+    return linear_with_weight(linear, linear.weight.dequantize(dtype))
+
+
+def linear_with_weight(linear: QuantizedLinear, weight: Any) -> eqx.nn.Linear:
+    """An `eqx.nn.Linear` of `linear`'s features and bias holding `weight` (any leaf)."""
     abstract = eqx.filter_eval_shape(
         lambda: eqx.nn.Linear(
             linear.in_features,

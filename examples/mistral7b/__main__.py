@@ -15,7 +15,9 @@
     (adapters, optimizer state, step, dropout key) atomically, and `--resume DIR` continues it
     exactly.
 - `merge --checkpoint DIR --adapters AD --out OUT`: folds PEFT adapters into the base, layer by
-    layer in place, and writes a HF checkpoint.
+    layer in place, and writes a HF checkpoint. With `--quantize nf4|int8` (adapters trained
+    on a quantised base), the base is loaded quantised and each layer is dequantised and
+    merged as it is written.
 - `lora-memory --layers 4 --rank 16`: XLA's memory plan for one LoRA step of a full-width
     model (compiled only, nothing allocated), to extrapolate to the full depth.
 """
@@ -284,12 +286,17 @@ def merge_command(args: argparse.Namespace) -> None:
     # atomic directory as the merged weights.
     files = ["config.json", *_TOKENIZER_FILES]
     with eqx_lean.open_checkpoint(args.checkpoint, files=files) as base:
-        model = load_adapters(load_hf(base, dtype=args.dtype), args.adapters)
+        loaded = load_hf(base, dtype=args.dtype, quantize=args.quantize)
+        model = load_adapters(loaded, args.adapters)
         tokenizer_files = {
             name: content for name in _TOKENIZER_FILES if (content := base.file(name)) is not None
         }
-    # The base weights were loaded for this merge alone, so they are updated in place.
-    save_hf(merge_lora(model, donate=True), args.out, files=tokenizer_files)
+    if args.quantize:
+        # Into the dequantised base the adapters were trained on, one layer at a time.
+        save_hf(model, args.out, files=tokenizer_files, merge_adapters=True)
+    else:
+        # The base weights were loaded for this merge alone, so they are updated in place.
+        save_hf(merge_lora(model, donate=True), args.out, files=tokenizer_files)
     print(f"merged checkpoint written to {args.out}; peak RSS {_gib(_status_kib('VmHWM'))}")
 
 
@@ -400,6 +407,13 @@ def main() -> None:
     p.add_argument("--adapters", required=True, help="a PEFT adapter directory")
     p.add_argument("--out", required=True, help="where to write the merged HF checkpoint")
     p.add_argument("--dtype", default=None, help="the merged dtype (default: the checkpoint's)")
+    p.add_argument(
+        "--quantize",
+        default=None,
+        choices=["nf4", "int8"],
+        help="the adapters were trained on a base quantised so: merge into its dequantised "
+        "weights (they are what the adapters were trained against)",
+    )
     p.set_defaults(run=merge_command)
 
     p = commands.add_parser("lora-memory", help="XLA's memory plan of one LoRA training step")
