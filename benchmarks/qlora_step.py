@@ -79,7 +79,7 @@ def mean(values: list[float]) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--checkpoint", required=True)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=6)

@@ -1,6 +1,8 @@
 """`QuantizedLinear`, `quantize_linears` and `quantizing`: quantised bases computing through
 `fold`, under LoRA, built one layer at a time, and refusing any other use."""
 
+from typing import Literal
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -8,12 +10,15 @@ import numpy as np
 import pytest
 
 import eqx_lean
+from eqx_lean._product import linear_product
 from eqx_lean.lora import LoraConfig, add_lora, lora_filter, merge_lora
 from eqx_lean.quant import (
     QuantConfig,
     QuantizedArray,
     QuantizedLinear,
+    _product as quant_product,
     dequantized_linear,
+    quantize,
     quantize_linears,
     quantizing,
 )
@@ -86,8 +91,13 @@ def test_quantize_linears_selects_all_linear_but_the_head():
         quantize_linears(_model(), QuantConfig(target_modules=["gate"]))
 
 
+@pytest.mark.parametrize("sliced", [False, True], ids=["whole", "sliced"])
 @pytest.mark.parametrize("double_quant", [False, True])
-def test_fold_over_a_quantised_stack_equals_its_dequantised_model(double_quant):
+def test_fold_over_a_quantised_stack_equals_its_dequantised_model(
+    double_quant, sliced, monkeypatch
+):
+    if sliced:  # products decoded 16 rows at a time
+        monkeypatch.setattr(quant_product, "CHUNK_VALUES", 16 * 96)
     # The reference: plain eqx.nn.Linear layers holding the dequantised weights, run by fold.
     q = quantize_linears(_model(), QuantConfig(double_quant=double_quant))
     x = jax.random.normal(jax.random.key(2), (5, 64), jnp.bfloat16)
@@ -187,3 +197,70 @@ def test_quant_config_errors():
     with pytest.raises(ValueError, match="`double_quant` applies to the nf4 scheme only"):
         QuantConfig("int8", double_quant=True)
     assert isinstance(QuantConfig().quantize(jnp.ones((4, 64))), QuantizedArray)
+
+
+def _whole_product(x, weight):
+    return linear_product(x, weight.dequantize().astype(x.dtype))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=str)
+@pytest.mark.parametrize(
+    ("scheme", "double_quant"), [("nf4", False), ("nf4", True), ("int8", False)], ids=str
+)
+def test_a_product_decoded_in_row_slices_equals_the_whole_one(
+    scheme, double_quant, dtype, monkeypatch
+):
+    monkeypatch.setattr(quant_product, "CHUNK_VALUES", 1024)
+    w = jax.random.normal(jax.random.key(5), (96, 64), jnp.float32).astype(dtype)
+    q = quantize(w, scheme, double_quant=double_quant)
+    assert quant_product.rows_per_chunk(q) == 16  # 16 x 64 values a slice, 6 slices
+    x = jax.random.normal(jax.random.key(6), (3, 5, 64), jnp.float32).astype(dtype)
+    lowered = jax.jit(quant_product.quantized_product).lower(x, q).as_text()
+    assert "while" in lowered  # the slices are a loop, on CPU
+    with jax.default_matmul_precision("highest"):
+        got = np.asarray(jax.jit(quant_product.quantized_product)(x, q), np.float32)
+        want = np.asarray(jax.jit(_whole_product)(x, q), np.float32)
+        if dtype == jnp.bfloat16:  # the float32 sums round to the same bfloat16
+            np.testing.assert_array_equal(got, want)
+        else:  # XLA:CPU orders a dot's float32 sum by the dot's shape: the last bits differ
+            np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
+
+        # The gradient with respect to the input: the whole decoded weight, as `linear_product`,
+        # so bitwise in both dtypes.
+        def loss(product):
+            return jax.grad(lambda x: jnp.sum(product(x, q).astype(jnp.float32) ** 2))
+
+        got_grad = jax.jit(loss(quant_product.quantized_product))(x)
+        want_grad = jax.jit(loss(_whole_product))(x)
+    assert got_grad.dtype == x.dtype
+    np.testing.assert_array_equal(
+        np.asarray(got_grad, np.float32), np.asarray(want_grad, np.float32)
+    )
+
+
+def test_slices_are_whole_blocks_and_rows_or_none():
+    def rows(shape, scheme: Literal["nf4", "int8"] = "nf4"):
+        weight = jax.eval_shape(lambda: quantize(jnp.zeros(shape, jnp.bfloat16), scheme))
+        return quant_product.rows_per_chunk(weight)
+
+    assert rows((14336, 4096)) == 256  # 1 Mi values
+    assert rows((4096, 14336)) == 64
+    assert rows((1024, 1024)) is None  # small enough whole
+    assert rows((2053, 1021)) is None  # 2053 is prime, and 1021 values are not whole blocks
+    assert rows((2053, 1021), "int8") == 1  # int8 scales are per row: any row count
+
+
+def test_an_evaluated_product_never_holds_the_whole_decoded_weight():
+    """XLA's CPU plan of a 4096 x 14336 NF4 product with 8 tokens: the decoded weight would be
+    112 MiB of bfloat16; a slice is 2 MiB."""
+    weight = jax.eval_shape(lambda: quantize(jnp.zeros((4096, 14336), jnp.bfloat16), "nf4"))
+    x = jax.ShapeDtypeStruct((8, 14336), jnp.bfloat16)
+
+    def temp_bytes(fn):
+        analysis = jax.jit(fn).lower(x, weight).compile().memory_analysis()
+        assert analysis is not None
+        return analysis.temp_size_in_bytes
+
+    decoded = 4096 * 14336 * 2
+    assert temp_bytes(_whole_product) >= decoded
+    assert temp_bytes(quant_product.quantized_product) <= decoded / 16

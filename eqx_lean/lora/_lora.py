@@ -69,7 +69,7 @@ class LoraLinear(eqx.Module):
     ) -> Float[Array, "... out"]:
         """Applies the layer to `x` (any leading axes); dropout only when `key` is given."""
         if isinstance(self.base, QuantizedLinear):  # dequantised for this product only
-            y = linear_product(x, self.base.weight_for(x.dtype))
+            y = self.base.product(x)
         else:
             y = linear_product(x, self.base.weight)
         bias = self.base.bias

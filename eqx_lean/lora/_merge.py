@@ -88,7 +88,7 @@ def _folded(layer: LoraLinear, sign: float, donate: bool) -> Array:
     return weight
 
 
-def _with_weight(linear: Any, weight: Array) -> Any:
+def _with_weight(linear: Any, weight: Any) -> Any:
     return eqx.tree_at(lambda m: m.weight, linear, weight)
 
 

@@ -19,6 +19,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 from .._product import linear_product
 from .._targets import ALL_LINEAR, canonical_targets, dotted, matches, unmatched_entries
 from ._array import QuantizedArray, Scheme, quantize
+from ._product import quantized_product
 
 
 M = TypeVar("M")
@@ -93,12 +94,20 @@ class QuantizedLinear(eqx.Module):
         quantised from, then cast, as bitsandbytes' `Linear4bit` does."""
         return self.weight.dequantize().astype(dtype)
 
+    def product(self, x: Float[Array, "... in"]) -> Float[Array, "... out"]:
+        """`x W^T` (no bias) in `x`'s dtype: `linear_product(x, self.weight_for(x.dtype))`,
+        for one layer's weight computed a slice of rows at a time on CPU (see
+        `eqx_lean.quant._product`)."""
+        if self.weight.batch_shape == ():
+            return quantized_product(x, self.weight)
+        return linear_product(x, self.weight_for(x.dtype))
+
     def project(
         self, x: Float[Array, "... in"], *, key: PRNGKeyArray | None = None
     ) -> Float[Array, "... out"]:
         """Applies the layer to `x` (any leading axes); `key` is unused."""
         del key
-        y = linear_product(x, self.weight_for(x.dtype))
+        y = self.product(x)
         if self.bias is not None:
             y = y + self.bias.astype(y.dtype).reshape((1,) * (y.ndim - 1) + (-1,))
         return y
