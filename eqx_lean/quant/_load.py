@@ -118,6 +118,10 @@ def load_quantized_stack(
                     scales = _write(scales, _bits(chunk_scales), at, jnp.int32(scale_start))
                 else:
                     layer_scales.append(chunk_scales)
+            # Dispatch is asynchronous: the loop would run ahead of the quantising, and pages
+            # released here would fault back in when a queued chunk is read. Measured at 7B:
+            # 0.5 GiB more of the file resident at the peak without this wait.
+            jax.block_until_ready((codes, scales, layer_scales))
             maps.release(tensor)
             if scales is None:
                 nested.append(_nested(jnp.concatenate(layer_scales)))
