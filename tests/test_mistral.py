@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import examples.mistral7b.train as train_module
-from eqx_lean._product import linear_product
+from eqx_lean._product import _accumulated_product, linear_product
 from eqx_lean.hf import (
     KVCache,
     MistralConfig,
@@ -419,3 +419,25 @@ def test_bfloat16_product_needs_no_float32_copy_of_the_weight():
     assert temp(lambda x, w: jnp.einsum("ti,oi->to", x, w)) >= weight_f32  # the plain dot
     assert temp(linear_product) <= result_f32
     assert temp(input_grad) <= 2 * result_f32
+
+
+@pytest.mark.parametrize("leading", [(1,), (1, 1), ()], ids=str)
+def test_a_one_row_bfloat16_product_needs_no_float32_copy_either(leading):
+    """One row (a decode step) is a matrix-vector dot, which XLA:CPU lowers with a float32
+    copy of the weight even for a float32 result; padded to two rows, it reads it as is. The
+    row's values are those of the same row in a larger product."""
+    x = jax.ShapeDtypeStruct((*leading, 2048), jnp.bfloat16)
+    weight = jax.ShapeDtypeStruct((4096, 2048), jnp.bfloat16)
+    plain = jax.jit(lambda x, w: _accumulated_product(x, w)).lower(x, weight).compile()
+    padded = jax.jit(linear_product).lower(x, weight).compile()
+    analyses = [plain.memory_analysis(), padded.memory_analysis()]
+    assert analyses[0] is not None and analyses[1] is not None
+    assert analyses[0].temp_size_in_bytes >= 4096 * 2048 * 4
+    assert analyses[1].temp_size_in_bytes <= 2 * 4096 * 4
+    rng = np.random.default_rng(1)
+    rows, w = _bf16(rng, 3, 2048), _bf16(rng, 4096, 2048)
+    one = linear_product(rows[0].reshape(*leading, 2048), w)
+    assert one.shape == (*leading, 4096)
+    np.testing.assert_array_equal(
+        np.asarray(one, np.float32).reshape(-1), np.asarray(linear_product(rows, w)[0], np.float32)
+    )
