@@ -26,16 +26,6 @@ peft = pytest.importorskip("peft")
 bitsandbytes = pytest.importorskip("bitsandbytes")
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 
-LAYER_PROJECTIONS = {
-    "q_proj": "self_attn",
-    "k_proj": "self_attn",
-    "v_proj": "self_attn",
-    "o_proj": "self_attn",
-    "gate_proj": "mlp",
-    "up_proj": "mlp",
-    "down_proj": "mlp",
-}
-
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
@@ -71,7 +61,7 @@ def test_quantised_model_saves_bitsandbytes_dequantised_weights(checkpoint, tmp_
     for name, value in saved.items():
         assert value.dtype == ml_dtypes.bfloat16, name
         original = torch.from_numpy(source[name]).to(torch.bfloat16)
-        if any(f".{p}." in name for p in LAYER_PROJECTIONS):
+        if any(f".{p}." in name for p in PROJECTIONS):
             # bitsandbytes quantises the bfloat16 weight and decodes it to bfloat16.
             packed, state = bitsandbytes.functional.quantize_4bit(
                 original, blocksize=64, quant_type="nf4"

@@ -34,6 +34,19 @@ from ..quant._ops import widen_exactly
 from ._lora import LoraLinear, lora_sites, replace_modules
 
 
+def _plus_delta(w: Array, lora_a: Array, lora_b: Array, scale: Array, dtype: Any) -> Array:
+    """`w + scale * B A` from a float32 `w`, in float32, rounded once to `dtype`: the one
+    arithmetic of every merge (and, with a negative scale, unmerge)."""
+    f32 = jnp.float32
+    delta = jnp.matmul(lora_b.astype(f32), lora_a.astype(f32), precision=lax.Precision.HIGHEST)
+    return (w + delta * scale).astype(dtype)
+
+
+def _bit_reads(weight: Array) -> bool:
+    """Whether a stacked weight's layers are read as bits (see `_merged_layer`)."""
+    return _platform.Tricks.for_platform(_platform.platform_of([weight.sharding])).bit_writes
+
+
 @functools.partial(jax.jit, static_argnames="bit_reads")
 def _merged_layer(
     weight: Float[Array, "layers out in"],
@@ -51,10 +64,9 @@ def _merged_layer(
         w = lax.bitcast_convert_type(w_bits, weight.dtype).astype(jnp.float32)
     else:
         w = lax.dynamic_index_in_dim(weight, index, keepdims=False).astype(jnp.float32)
-    a = lax.dynamic_index_in_dim(lora_a, index, keepdims=False).astype(jnp.float32)
-    b = lax.dynamic_index_in_dim(lora_b, index, keepdims=False).astype(jnp.float32)
-    delta = jnp.matmul(b, a, precision=lax.Precision.HIGHEST) * scale
-    return (w + delta).astype(weight.dtype)
+    a = lax.dynamic_index_in_dim(lora_a, index, keepdims=False)
+    b = lax.dynamic_index_in_dim(lora_b, index, keepdims=False)
+    return _plus_delta(w, a, b, scale, weight.dtype)
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -65,9 +77,7 @@ def _merged_plain(
     scale: Float[Array, ""],
 ) -> Float[Array, "out in"]:
     """`weight + scale * B A` for a plain (unstacked) weight, in float32, in `weight`'s dtype."""
-    f32 = jnp.float32
-    delta = jnp.matmul(lora_b.astype(f32), lora_a.astype(f32), precision=lax.Precision.HIGHEST)
-    return (weight.astype(f32) + delta * scale).astype(weight.dtype)
+    return _plus_delta(weight.astype(jnp.float32), lora_a, lora_b, scale, weight.dtype)
 
 
 def _folded(layer: LoraLinear, sign: float, donate: bool) -> Array:
@@ -78,8 +88,7 @@ def _folded(layer: LoraLinear, sign: float, donate: bool) -> Array:
     scale = jnp.asarray(sign * layer.config.scale, jnp.float32)
     if weight.ndim == 2:
         return _merged_plain(weight, layer.lora_A, layer.lora_B, scale)
-    platform = _platform.platform_of([weight.sharding])
-    bit_reads = _platform.Tricks.for_platform(platform).bit_writes
+    bit_reads = _bit_reads(weight)
     for i in range(weight.shape[0]):
         merged_layer = _merged_layer(
             weight, layer.lora_A, layer.lora_B, scale, jnp.int32(i), bit_reads=bit_reads
@@ -199,17 +208,16 @@ def _dequantized_layer(
     if not with_adapter:
         return w
     assert lora_a is not None and lora_b is not None and scale is not None
-    a, b = pick(lora_a).astype(jnp.float32), pick(lora_b).astype(jnp.float32)
-    delta = jnp.matmul(b, a, precision=lax.Precision.HIGHEST) * scale
     # From the bits: the merge adds to the dequantised weight as stored in `dtype` (as
     # `merge_lora` of the dequantised model does), and XLA would otherwise skip its rounding.
-    return (widen_exactly(w) + delta).astype(dtype)
+    return _plus_delta(widen_exactly(w), pick(lora_a), pick(lora_b), scale, dtype)
 
 
-def _computed_weight(weight: Any, dtype: Any, adapter: LoraLinear | None) -> ComputedTensor:
-    """The (merged) weight of one module, computed one layer at a time as a save writes it."""
-    stacked = (weight.ndim if isinstance(weight, jax.Array) else len(weight.shape)) == 3
-    shape = tuple(weight.shape)
+def _computed_weight(weight: Any, adapter: LoraLinear | None) -> ComputedTensor:
+    """The (merged) weight of one module, in its dtype (a quantised one's: the dtype it was
+    quantised from), computed one layer at a time as a save writes it."""
+    shape, dtype = tuple(weight.shape), weight.dtype
+    stacked = len(shape) == 3
     lora_a = lora_b = scale = None
     if adapter is not None:
         lora_a, lora_b = adapter.lora_A, adapter.lora_B
@@ -224,9 +232,8 @@ def _computed_weight(weight: Any, dtype: Any, adapter: LoraLinear | None) -> Com
         elif index is None:
             value = _merged_plain(jnp.copy(weight), lora_a, lora_b, scale)
         else:
-            bit_reads = _platform.Tricks.for_platform(_platform.platform_of([weight.sharding]))
             value = _merged_layer(
-                weight, lora_a, lora_b, scale, index, bit_reads=bit_reads.bit_writes
+                weight, lora_a, lora_b, scale, index, bit_reads=_bit_reads(weight)
             )
         return np.asarray(value)
 
@@ -248,17 +255,17 @@ def merged_on_write(model: PyTree, *, merge_adapters: bool) -> PyTree:
         base = layer.base
         if layer.merged:
             new[jax.tree_util.keystr(path)] = base
-        elif isinstance(base, QuantizedLinear):
-            weight = _computed_weight(base.weight, base.weight.dtype, layer)
+            continue
+        weight = _computed_weight(base.weight, layer)
+        if isinstance(base, QuantizedLinear):
             new[jax.tree_util.keystr(path)] = linear_with_weight(base, weight)
         else:
-            weight = _computed_weight(base.weight, base.weight.dtype, layer)
             new[jax.tree_util.keystr(path)] = _with_weight(base, weight)
     model = replace_modules(model, new, ())
 
     def plain(node: Any) -> Any:
         if isinstance(node, QuantizedLinear):
-            return linear_with_weight(node, _computed_weight(node.weight, node.weight.dtype, None))
+            return linear_with_weight(node, _computed_weight(node.weight, None))
         return node
 
     return jax.tree.map(plain, model, is_leaf=lambda x: isinstance(x, QuantizedLinear | LoraLinear))

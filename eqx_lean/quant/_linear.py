@@ -19,7 +19,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 from .._product import linear_product
 from .._targets import ALL_LINEAR, canonical_targets, dotted, matches, unmatched_entries
 from ._array import QuantizedArray, Scheme, quantize
-from ._product import quantized_product
+from ._product import decoded_for, quantized_product
 
 
 M = TypeVar("M")
@@ -92,7 +92,7 @@ class QuantizedLinear(eqx.Module):
     def weight_for(self, dtype: Any) -> Float[Array, "*layers out in"]:
         """The weight dequantised for a product in `dtype`: decoded in the dtype it was
         quantised from, then cast, as bitsandbytes' `Linear4bit` does."""
-        return self.weight.dequantize().astype(dtype)
+        return decoded_for(self.weight, dtype)
 
     def product(self, x: Float[Array, "... in"]) -> Float[Array, "... out"]:
         """`x W^T` (no bias) in `x`'s dtype: `linear_product(x, self.weight_for(x.dtype))`,

@@ -83,19 +83,21 @@ def _forward_in_chunks(x: Array, weight: QuantizedArray, rows: int) -> Array:
     return jnp.moveaxis(ys, 0, -2).reshape(*ys.shape[1:-1], -1)
 
 
-def _whole(weight: QuantizedArray, dtype: Any) -> Array:
+def decoded_for(weight: QuantizedArray, dtype: Any) -> Array:
+    """`weight` decoded in the dtype it was quantised from, then cast to `dtype` (bitsandbytes'
+    `Linear4bit`: `dequantize_4bit(...).to(x.dtype)`)."""
     return weight.dequantize().astype(dtype)
 
 
 def _forward(x: Array, weight: QuantizedArray) -> Array:
     rows = rows_per_chunk(weight)
     if rows is None:
-        return linear_product(x, _whole(weight, x.dtype))
+        return linear_product(x, decoded_for(weight, x.dtype))
     return lax.platform_dependent(
         x,
         weight,
         cpu=lambda x, w: _forward_in_chunks(x, w, rows),
-        default=lambda x, w: linear_product(x, _whole(w, x.dtype)),
+        default=lambda x, w: linear_product(x, decoded_for(w, x.dtype)),
     )
 
 
@@ -105,7 +107,7 @@ def _product(x: Array, weight: QuantizedArray) -> Array:
 
 
 def _product_fwd(x: Array, weight: QuantizedArray) -> tuple[Array, tuple[Array, QuantizedArray]]:
-    w = _whole(weight, x.dtype)
+    w = decoded_for(weight, x.dtype)
     return _accumulated_product(x, w), (w, weight)
 
 
