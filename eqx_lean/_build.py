@@ -12,6 +12,7 @@ from jaxtyping import Array, PRNGKeyArray
 
 from . import _core, _platform
 from ._core import DtypePolicy, LayerAxis, ShardingPolicy
+from .quant._sharding import check_layer_shardings
 
 
 M = TypeVar("M")
@@ -169,6 +170,11 @@ def build_stacked(
     axis of length `L`, static fields intact.
     """
     plan = _core.plan_build(make_layer, keys, dtype, sharding, mesh)
+    if any(s is not None for s in plan.shardings):
+        layout = plan.layout
+        check_layer_shardings(
+            layout.combine(layout.structs), dict(zip(layout.paths, plan.shardings, strict=True))
+        )
     if _core.is_traced(plan, keys):
         return plan.layout.combine(_core.fill_traced(plan, keys))
 

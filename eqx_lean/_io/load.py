@@ -7,7 +7,7 @@ from typing import Any, TypeVar
 import equinox as eqx
 import jax
 import numpy as np
-from jax.sharding import AbstractMesh, Mesh, NamedSharding
+from jax.sharding import Mesh
 
 from .._core import (
     DtypePolicy,
@@ -16,14 +16,8 @@ from .._core import (
     Layout,
     ShardingPolicy,
     check_dtype_policy,
-    check_layer_axis,
-    current_mesh,
     delete_arrays,
-    mesh_of,
-    per_layer_sharding,
     resolve_dtypes,
-    resolve_shardings,
-    stacked_shardings,
 )
 from .._core.chunks import (
     Target,
@@ -33,14 +27,23 @@ from .._core.chunks import (
     fill_chunks,
     plan_chunks,
 )
+from ..quant._linear import QuantConfig
 from .checks import Leaf, check_checkpoint, select_layers
 from .names import (
-    LAYER,
     TensorName,
     check_transpose_rank,
     layer_count,
     require_all_stacked,
     resolve_names,
+)
+from .placement import resolve_load_shardings
+from .quantized import (
+    check_quantized_leaf,
+    load_quantized_leaf,
+    quant_config,
+    quantized_modules,
+    weight_path,
+    with_quantized_linears,
 )
 from .safetensors import Maps
 from .snapshot import Checkpoint, opened
@@ -52,89 +55,6 @@ M = TypeVar("M")
 # leaf it fills and every distinct shard), so a load needs no more than this beside the model,
 # whatever the size of the largest tensor.
 _CHUNK_BYTES = 4 * 2**20
-
-
-def _concrete_mesh(path: KeyPath, abstract: AbstractMesh, mesh: Any) -> Mesh:
-    """The mesh to place a sharding of `like` that names an abstract mesh on.
-
-    `eqx.filter_eval_shape` of a sharded build gives shardings on the `AbstractMesh` of the
-    mesh it was built on, which names axes but no devices.
-    """
-    found = current_mesh(mesh)
-    where = f"Leaf {jax.tree_util.keystr(path)} of `like` carries a sharding on {abstract}"
-    if isinstance(found, Mesh):
-        if (found.axis_names, found.axis_sizes) != (abstract.axis_names, abstract.axis_sizes):
-            raise ValueError(
-                f"{where}, which must match the mesh it is placed on (`mesh=` or the mesh set by "
-                f"`jax.set_mesh`), but that mesh has axes {dict(found.shape)}."
-            )
-        return found
-    if int(np.prod(abstract.axis_sizes)) != jax.device_count():
-        raise ValueError(
-            f"{where} ({int(np.prod(abstract.axis_sizes))} devices), as "
-            "`eqx.filter_eval_shape` gives, but this process sees "
-            f"{jax.device_count()} devices: pass `mesh=` (the mesh it was built on)."
-        )
-    return jax.make_mesh(abstract.axis_sizes, abstract.axis_names, axis_types=abstract.axis_types)
-
-
-def _carried_sharding(path: KeyPath, struct: Any, mesh: Any) -> Any:
-    sharding = getattr(struct, "sharding", None)
-    if isinstance(sharding, NamedSharding) and isinstance(sharding.mesh, AbstractMesh):
-        return NamedSharding(_concrete_mesh(path, sharding.mesh, mesh), sharding.spec)
-    return sharding
-
-
-def _resolve_shardings(
-    sharding: Any,
-    mesh: Any,
-    layer_axis: Any,
-    layout: Layout,
-    tensor_names: Sequence[TensorName | None],
-    num_layers: int | None,
-) -> list[jax.sharding.Sharding | None]:
-    """Each leaf's full sharding: `sharding` per layer (stacked leaves) or per tensor (plain).
-
-    The one meaning of `sharding=` (see `eqx_lean._core.policy`): for a leaf named with `{i}` it
-    is one layer's sharding, the layer axis replicated unless `layer_axis` names mesh axes; for
-    any other leaf, the whole tensor's. Without `sharding`, shardings that `like`'s
-    `ShapeDtypeStruct`s carry are used, and must replicate the layer axis; those on an abstract
-    mesh (from `eqx.filter_eval_shape`) are placed on `mesh`, the mesh set by `jax.set_mesh`,
-    or else `jax.make_mesh` of the same axes over every device.
-    """
-    stacked = [name is not None and name.stacked for name in tensor_names]
-    seen = tuple(
-        jax.ShapeDtypeStruct(s.shape[1:] if is_stacked else s.shape, s.dtype)
-        for s, is_stacked in zip(layout.structs, stacked, strict=True)
-    )
-    if sharding is None:
-        carried = [
-            _carried_sharding(p, s, mesh) for p, s in zip(layout.paths, layout.structs, strict=True)
-        ]
-        per_leaf = tuple(
-            per_layer_sharding(path, s, "like") if is_stacked else s
-            for path, s, is_stacked in zip(layout.paths, carried, stacked, strict=True)
-        )
-        if any(s is not None for s in per_leaf):
-            sharding = jax.tree.unflatten(layout.treedef, list(per_leaf))
-    shardings = resolve_shardings(
-        sharding, mesh, layout.paths, seen, layout.treedef, per_layer=stacked
-    )
-    mesh = mesh_of(mesh, shardings)
-    axes = check_layer_axis(layer_axis, mesh, num_layers) if num_layers else ()
-    if layer_axis is not None and num_layers is None:
-        raise ValueError(
-            "`layer_axis` shards the layer axis of stacked leaves, but no leaf is named with "
-            f"{LAYER}: there is no layer axis to shard."
-        )
-    stacked_only = [
-        s if is_stacked else None for s, is_stacked in zip(shardings, stacked, strict=True)
-    ]
-    with_layer_axis = stacked_shardings(layout.paths, stacked_only, axes, mesh)
-    return [
-        with_axis if is_stacked else s
-        for s, with_axis, is_stacked in zip(shardings, with_layer_axis, stacked, strict=True)
-    ]
 
 
 def _targets(
@@ -156,14 +76,23 @@ def _targets(
 
 
 def _plan_leaves(
-    like: Any, names: Any, dtype: DtypePolicy, sharding: Any, mesh: Any, layer_axis: Any, fn: str
+    like: Any,
+    names: Any,
+    dtype: DtypePolicy,
+    sharding: Any,
+    mesh: Any,
+    layer_axis: Any,
+    fn: str,
+    quantized: dict[KeyPath, str],
 ) -> tuple[Layout, list[Leaf], int | None]:
+    """The leaves to load; `quantized` (a weight's path to its module's name) are checked as
+    weights to quantise."""
     layout = Layout.of(like)
     tensor_names = resolve_names(names, layout, fn)
     if fn == "load_stacked":
         require_all_stacked(layout, tensor_names, fn)
     num_layers = layer_count(layout, tensor_names)
-    shardings = _resolve_shardings(sharding, mesh, layer_axis, layout, tensor_names, num_layers)
+    shardings = resolve_load_shardings(sharding, mesh, layer_axis, layout, tensor_names, num_layers)
     concrete = {
         path: x
         for path, x in jax.tree_util.tree_flatten_with_path(eqx.filter(like, eqx.is_array))[0]
@@ -182,6 +111,8 @@ def _plan_leaves(
         if name is not None:
             check_transpose_rank(path, name, leaf.shape[1:] if name.stacked else leaf.shape)
         leaves.append(Leaf(path, target, name, concrete.get(path), leaf_sharding))
+        if path in quantized:
+            check_quantized_leaf(leaves[-1], quantized[path])
     return layout, leaves, num_layers
 
 
@@ -223,9 +154,17 @@ def _allocate(targets: Sequence[Target]) -> list[Any]:
 
 
 def _load_into(
-    leaves: Sequence[Leaf], checkpoint: Checkpoint, selected: Sequence[int] | None
+    leaves: Sequence[Leaf],
+    checkpoint: Checkpoint,
+    selected: Sequence[int] | None,
+    quantize: QuantConfig | None,
+    quantized: dict[KeyPath, str],
 ) -> list[Any]:
-    named = [j for j, leaf in enumerate(leaves) if leaf.name is not None]
+    """The leaves' values: the named ones filled from `checkpoint` (those in `quantized`
+    quantised with `quantize` as they stream, after the others), the rest as `like` held."""
+    named = [
+        j for j, leaf in enumerate(leaves) if leaf.name is not None and leaf.path not in quantized
+    ]
     targets = []
     for j in named:
         leaf = leaves[j]
@@ -246,6 +185,15 @@ def _load_into(
     finally:
         maps.close()
     loaded = dict(zip(named, buffers, strict=True))
+    try:
+        for j, leaf in enumerate(leaves):
+            if leaf.path in quantized:
+                assert quantize is not None
+                module = quantized[leaf.path]
+                loaded[j] = load_quantized_leaf(checkpoint, leaf, selected, quantize, module)
+    except BaseException:
+        delete_arrays(jax.tree.leaves(list(loaded.values())))
+        raise
     return [loaded[j] if j in loaded else leaf.source for j, leaf in enumerate(leaves)]
 
 
@@ -260,10 +208,16 @@ def _load(
     layer_axis: Any,
     layers: Any,
     strict: bool,
+    quantize: Any,
     fn: str,
 ) -> Any:
     dtype = check_dtype_policy(dtype)
-    layout, leaves, num_layers = _plan_leaves(like, names, dtype, sharding, mesh, layer_axis, fn)
+    config = quant_config(quantize)
+    modules = quantized_modules(like, config)
+    quantized = {weight_path(path): name for path, name in modules.items()}
+    layout, leaves, num_layers = _plan_leaves(
+        like, names, dtype, sharding, mesh, layer_axis, fn, quantized
+    )
     selected = select_layers(layers, num_layers)
     if not isinstance(strict, bool):
         raise TypeError(
@@ -272,7 +226,13 @@ def _load(
         )
     with opened(path) as checkpoint:
         check_checkpoint(leaves, checkpoint, selected, layers is not None, strict, fn)
-        return layout.combine(_load_into(leaves, checkpoint, selected))
+        values = _load_into(leaves, checkpoint, selected, config, quantized)
+    weights = {
+        leaf.path: v for leaf, v in zip(leaves, values, strict=True) if leaf.path in quantized
+    }
+    # `combine` takes arrays; the quantised weights (pytrees) go in with their modules.
+    values = [None if leaf.path in quantized else v for leaf, v in zip(leaves, values, strict=True)]
+    return with_quantized_linears(layout.combine(values), modules, weights)
 
 
 def checkpoint_tensors(
@@ -317,6 +277,7 @@ def load_tensors(
     layer_axis: LayerAxis = None,
     layers: int | range | None = None,
     strict: bool = True,
+    quantize: QuantConfig | str | None = None,
 ) -> M:
     """Loads a whole model from safetensors files, straight into its final buffers.
 
@@ -367,6 +328,7 @@ def load_tensors(
         layer_axis=layer_axis,
         layers=layers,
         strict=strict,
+        quantize=quantize,
         fn="load_tensors",
     )
 
@@ -382,6 +344,7 @@ def load_stacked(
     layer_axis: LayerAxis = None,
     layers: int | range | None = None,
     strict: bool = True,
+    quantize: QuantConfig | str | None = None,
 ) -> M:
     """Loads stacked layers from safetensors files that store one tensor per layer.
 
@@ -460,6 +423,20 @@ def load_stacked(
         named for an error; `False` ignores it. Nothing else is accepted. Buffers that
         `transformers` computes from the config (names ending in `.rotary_emb.inv_freq`) are
         always ignored.
+    - `quantize`: `None` (the default); or `"nf4"`, `"int8"` or an
+        [`eqx_lean.quant.QuantConfig`][] to load the `eqx.nn.Linear`s its `target_modules`
+        chooses (by their dotted paths in `like`; `"all-linear"`: every one not named
+        `lm_head`) as [`eqx_lean.quant.QuantizedLinear`][]s, QLoRA's frozen base. Each chosen
+        weight is named, checked and chosen (`layers`, `dtype`, `strict`) as any leaf, then
+        quantised as it streams from the file, a few rows at a time, from its values in its
+        `dtype`: the process never holds it at full precision. The result equals
+        [`eqx_lean.quant.quantize_linears`][] of the model loaded without `quantize`. The
+        weight must be stored `[out, in]` (no transpose). Its `sharding` is given for the
+        weight itself, as without `quantize`: int8 codes take it, and NF4 codes (blocks of
+        consecutive values of each row-major tensor) are split between rows over the mesh axes
+        it names, each shard holding whole blocks and the scales of its blocks, or the load is
+        refused naming the weight. A stack of quantised layers runs sharded under
+        [`eqx_lean.fold`][], which gathers each layer.
 
     **Returns:**
 
@@ -475,5 +452,6 @@ def load_stacked(
         layer_axis=layer_axis,
         layers=layers,
         strict=strict,
+        quantize=quantize,
         fn="load_stacked",
     )

@@ -193,7 +193,7 @@ def plan_load(
         raise TypeError(f"`strict` must be True or False; got {strict!r}.")
     fn = "load_stacked" if stacked else "load_tensors"
     dtype = check_dtype_policy(dtype)
-    _, leaves, num_layers = _plan_leaves(like, names, dtype, sharding, mesh, layer_axis, fn)
+    _, leaves, num_layers = _plan_leaves(like, names, dtype, sharding, mesh, layer_axis, fn, {})
     selected = select_layers(layers, num_layers)
     targets = []
     with opened(path) as checkpoint:

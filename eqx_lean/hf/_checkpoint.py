@@ -14,10 +14,11 @@ from jaxtyping import Array
 
 import eqx_lean
 
+from .._io.quantized import quant_config
 from ..quant._linear import QuantConfig
 from ._config import MistralConfig
 from ._model import DecoderBlock, Mistral, RMSNorm, _linear_from_weight, _resolve_dtype, make_block
-from ._quantized import load_quantized, quant_config, refuse_prequantized
+from ._quantized import load_quantized, refuse_prequantized
 
 
 _EMBED, _NORM, _HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
@@ -286,7 +287,9 @@ def load_hf(
         its values in `dtype`: the process holds the quantised model plus a few MiB, never a
         full-precision layer. The result equals quantising the model loaded without it
         ([`eqx_lean.quant.quantize_linears`][]). Embeddings, norms, biases and the head stay
-        in `dtype`. Not with `sharding`. A checkpoint saved quantised (a
+        in `dtype`. With `sharding`, each quantised weight is placed as the sharding given
+        for the weight places it, its NF4 codes split between rows (see
+        [`eqx_lean.load_tensors`][]). A checkpoint saved quantised (a
         `quantization_config` in `config.json`, as `*-bnb-4bit` repositories) is refused.
 
     **Returns:**
@@ -294,8 +297,6 @@ def load_hf(
     The [`Mistral`][] model.
     """
     quant = quant_config(quantize)
-    if quant is not None and sharding is not None:
-        raise ValueError("`quantize` loads onto one device: pass `sharding=None` with it.")
     if isinstance(path, eqx_lean.Checkpoint):
         return _load_opened(path, path.source, dtype, sharding, strict, quant)
     path = os.fspath(path)
@@ -339,8 +340,7 @@ def _load_opened(
                 f"{config_file} ties the head to the embeddings but the checkpoint stores a "
                 "head: load it without `quantize` (then `eqx_lean.quant.quantize_linears`)."
             )
-        expected = set(_tensor_names(like))
-        return load_quantized(checkpoint, like, _hf_name, quant, strict, layers, path, expected)
+        return load_quantized(checkpoint, like, _hf_name, quant, strict, layers, sharding)
     if not (config.tie_word_embeddings and stored_head):
         return eqx_lean.load_tensors(
             checkpoint, like, _hf_name, sharding=sharding, layers=layers, strict=strict

@@ -9,10 +9,10 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from .. import lora, memory
+from .._io.quantized import quant_config
 from .._memory.targets import resolve_target
 from ._config import MistralConfig
 from ._finetune import _abstract_lora_model, make_lora_step
-from ._quantized import quant_config
 from ._train import adamw
 
 

@@ -1,38 +1,23 @@
 """Loading a HF checkpoint with quantised linear layers: each weight quantised as it streams.
 
-`load_hf(..., quantize=...)` loads the unquantised leaves (embeddings, norms, biases, the head)
-with `eqx_lean.load_tensors` as always, and each chosen stacked linear weight with
-`eqx_lean.quant._load.load_quantized_stack`, a few rows at a time: the process never holds a
-full-precision layer stack, nor the file's pages beyond the chunk being read.
+`load_hf(..., quantize=...)` is `eqx_lean.load_tensors(..., quantize=...)` on the decoder's
+stacked linears (the head and embeddings stay unquantised, as transformers' `load_in_4bit`
+leaves them): each weight is read a few rows at a time, so the process never holds a
+full-precision layer stack, nor the file's pages beyond the chunk being read. A checkpoint
+saved quantised by transformers is refused here.
 """
 
 import json
-from collections.abc import Collection
 from typing import Any
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 
 import eqx_lean
 
-from .._io.checks import IGNORED_BUFFERS
 from .._targets import dotted
-from ..quant._linear import QuantConfig, QuantizedLinear, chosen_modules
-from ..quant._load import load_quantized_stack
+from ..quant._linear import QuantConfig, chosen_modules
 from ._model import Mistral
-
-
-def quant_config(quantize: Any) -> QuantConfig | None:
-    """`load_hf`'s `quantize=`: `None`, `"nf4"`, `"int8"` or a `QuantConfig`."""
-    if quantize is None or isinstance(quantize, QuantConfig):
-        return quantize
-    if quantize in ("nf4", "int8"):
-        return QuantConfig(quantize)
-    raise ValueError(
-        "`quantize` must be None, 'nf4', 'int8' or an eqx_lean.quant.QuantConfig; "
-        f"got {quantize!r}."
-    )
 
 
 def refuse_prequantized(raw_config: bytes, config_file: str) -> None:
@@ -78,53 +63,11 @@ def load_quantized(
     config: QuantConfig,
     strict: bool,
     layers: int | None,
-    path: str,
-    expected: Collection[str],
+    sharding: Any,
 ) -> Mistral:
-    """`like` loaded with the linears `config` chooses quantised (see the module docstring);
-    with `strict`, a checkpoint tensor outside `expected` (the model's names) is an error."""
-    if strict:  # before anything is allocated
-        stored = eqx_lean.checkpoint_tensors(checkpoint)
-        extra = sorted(n for n in stored if n not in expected and not n.endswith(IGNORED_BUFFERS))
-        if extra:
-            raise ValueError(
-                f"The checkpoint in {path} holds tensors the model has no leaf for: {extra[:5]}"
-                f"{' ...' if len(extra) > 5 else ''}. Pass `strict=False` to ignore them."
-            )
-    chosen = _chosen_linears(like, config)
-    weight_paths = {(*p, jax.tree_util.GetAttrKey("weight")) for p in chosen}
-    placeholder = jnp.zeros((0,), jnp.uint8)
-
-    def without_chosen(leaf_path: Any, leaf: Any) -> Any:
-        return placeholder if leaf_path in weight_paths else leaf
-
-    def names(leaf_path: Any, leaf: Any) -> str | None:
-        if leaf_path in weight_paths:
-            return None
-        return name_of(leaf_path, leaf)
-
-    rest = jax.tree_util.tree_map_with_path(without_chosen, like)
-    loaded = eqx_lean.load_tensors(checkpoint, rest, names, layers=layers, strict=False)
-    count = like.config.num_hidden_layers
-    stacks = {}
-    for module_path, node in chosen.items():
-        weight_path = (*module_path, jax.tree_util.GetAttrKey("weight"))
-        _, out_features, in_features = node.weight.shape
-        stacks[module_path] = load_quantized_stack(
-            checkpoint,
-            name_of(weight_path, node.weight),
-            range(count),
-            (out_features, in_features),
-            node.weight.dtype,
-            config,
-            f"{dotted(jax.tree_util.keystr(module_path))}.weight",
-        )
-
-    def with_quantized(node_path: Any, node: Any) -> Any:
-        if node_path not in stacks:
-            return node
-        return QuantizedLinear(stacks[node_path], node.bias, node.in_features, node.out_features)
-
-    return jax.tree_util.tree_map_with_path(
-        with_quantized, loaded, is_leaf=lambda n: isinstance(n, eqx.nn.Linear)
+    """`like` loaded with the decoder linears `config` chooses quantised as they stream (see
+    the module docstring)."""
+    _chosen_linears(like, config)  # the head and embeddings stay unquantised
+    return eqx_lean.load_tensors(
+        checkpoint, like, name_of, sharding=sharding, layers=layers, strict=strict, quantize=config
     )

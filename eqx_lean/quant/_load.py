@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from .._core.policy import has_explicit_axes
 from .._io.safetensors import Maps
 from .._io.snapshot import Checkpoint
 from ._array import DoubleQuantizedScales, QuantizedArray, _bits, double_quantize
@@ -26,16 +27,30 @@ from ._int8 import int8_encode
 from ._linear import QuantConfig
 from ._nf4 import nf4_encode, num_blocks
 from ._ops import widen_exactly
+from ._sharding import UNPLACED, QuantizedShardings
 
 
 # Values quantised per compiled call: 4 Mi values (8 MiB of bfloat16, 16 MiB in float32).
 _CHUNK_VALUES = 4 * 2**20
 
 
-@functools.partial(jax.jit, donate_argnums=0)
 def _write(buffer: jax.Array, value: jax.Array, layer: jax.Array, start: jax.Array) -> jax.Array:
-    index = (layer, start) + (0,) * (buffer.ndim - 2)
-    return lax.dynamic_update_slice(buffer, value[None], index)
+    """`buffer` (donated) with `value` written at `[layer, start, 0...]`."""
+    sharding = buffer.sharding if has_explicit_axes(buffer.sharding) else None
+    return _writer(sharding)(buffer, value, layer, start)
+
+
+@functools.cache  # one program per explicit sharding: the sharding determines the program
+def _writer(explicit: Any) -> Any:
+    def write(buffer: jax.Array, value: jax.Array, layer: jax.Array, start: jax.Array) -> Any:
+        index = (layer, start) + (0,) * (buffer.ndim - 2)
+        return lax.dynamic_update_slice(buffer, value[None], index)
+
+    if explicit is not None:
+        # With Explicit mesh axes, an update must carry the buffer's sharding: the write is
+        # traced with the axes made Auto, and its result given the buffer's sharding again.
+        return jax.jit(jax.sharding.auto_axes(write, out_sharding=explicit), donate_argnums=0)
+    return jax.jit(write, donate_argnums=0)
 
 
 @functools.partial(jax.jit, static_argnames=("dtype", "scheme", "blocksize"))
@@ -60,47 +75,50 @@ def _rows_per_chunk(shape: tuple[int, ...], blocksize: int) -> int:
 
 def load_quantized_stack(
     checkpoint: Checkpoint,
-    template: str,
-    layers: Sequence[int],
+    tensor_names: Sequence[str],
     shape: tuple[int, ...],
     dtype: Any,
     config: QuantConfig,
     name: str,
+    shardings: QuantizedShardings = UNPLACED,
 ) -> QuantizedArray:
-    """The stack of tensors `template.format(i=layer)` for `layers`, quantised as it streams.
+    """The stack of the tensors `tensor_names` (one per layer), quantised as it streams.
 
     **Arguments:**
 
     - `checkpoint`: the opened checkpoint.
-    - `template`: the tensor name with `{i}`, the layer index.
-    - `layers`: the checkpoint layers to load, in order.
+    - `tensor_names`: each layer's tensor, in order.
     - `shape`: one tensor's shape (`[out, in]`), checked against the file by the caller.
     - `dtype`: the dtype values are cast to before quantising (the model's).
     - `config`: the [`eqx_lean.quant.QuantConfig`][].
     - `name`: what error messages call the weight.
+    - `shardings`: where the stacked codes and scales are placed (from
+        `eqx_lean.quant._sharding.quantized_shardings`); unplaced by default.
 
     **Returns:**
 
     The stacked [`eqx_lean.quant.QuantizedArray`][], equal to `config.quantize(stack,
     batch_dims=1)` of the full-precision stack cast to `dtype`.
     """
-    count, size = len(layers), math.prod(shape)
+    count, size = len(tensor_names), math.prod(shape)
     nf4 = config.scheme == "nf4"
     blocksize = config.blocksize if nf4 else 0
     if nf4:
-        codes = jnp.zeros((count, -(-size // 2)), jnp.uint8)
+        codes = jnp.zeros((count, -(-size // 2)), jnp.uint8, device=shardings.codes)
         scale_count = num_blocks(size, blocksize)
     else:
-        codes = jnp.zeros((count, *shape), jnp.int8)
+        codes = jnp.zeros((count, *shape), jnp.int8, device=shardings.codes)
         scale_count = shape[0]
-    scales = None if config.double_quant else jnp.zeros((count, scale_count), jnp.uint32)
+    scales = None
+    if not config.double_quant:
+        scales = jnp.zeros((count, scale_count), jnp.uint32, device=shardings.scales)
     nested: list[Any] = []
     rows = _rows_per_chunk(shape, blocksize)
     row_size = size // shape[0]
     maps = Maps(checkpoint.fds)
     try:
-        for position, layer in enumerate(layers):
-            tensor = checkpoint.tensors[template.format(i=layer)]
+        for position, tensor_name in enumerate(tensor_names):
+            tensor = checkpoint.tensors[tensor_name]
             stored = maps.view(tensor)
             layer_scales = []
             at = jnp.int32(position)
@@ -129,6 +147,13 @@ def load_quantized_stack(
         maps.close()
     if scales is None:
         stacked: Any = jax.tree.map(lambda *xs: jnp.stack(xs), *nested)
+        if shardings.scales is not None:
+            stacked = DoubleQuantizedScales(
+                jax.device_put(stacked.codes, shardings.scales),
+                jax.device_put(stacked.absmax_bits, shardings.nested),
+                jax.device_put(stacked.offset_bits, shardings.nested),
+                stacked.blocksize,
+            )
     else:
         stacked = scales
     return QuantizedArray(
