@@ -9,6 +9,7 @@ from ._build import (
     unstack as unstack,
     write_layer as write_layer,
 )
+from ._compilation_cache import use_compilation_cache as use_compilation_cache
 from ._core import clear_caches as clear_caches, fsdp as fsdp
 from ._io import (
     Checkpoint as Checkpoint,

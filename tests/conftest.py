@@ -7,6 +7,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # libtpu (the `plan-tpu` extra) would otherwise lock out every other process that compiles for
 # a TPU slice while this one lives: the test workers and subprocesses.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+# The commands the tests run (`python -m examples.mistral7b ...`) keep a persistent compilation
+# cache in ~/.cache by default: not from the tests (tests/test_compilation_cache.py sets its own).
+os.environ["EQX_LEAN_COMPILATION_CACHE"] = "off"
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -20,6 +20,11 @@
     merged as it is written.
 - `lora-memory --layers 4 --rank 16`: XLA's memory plan for one LoRA step of a full-width
     model (compiled only, nothing allocated), to extrapolate to the full depth.
+
+Every command keeps the programs it compiles in JAX's persistent compilation cache
+(`eqx_lean.use_compilation_cache()`: `~/.cache/eqx_lean/xla/<machine>`, or the directory in
+`EQX_LEAN_COMPILATION_CACHE`), so running it again compiles nothing; `--no-compilation-cache`
+or `EQX_LEAN_COMPILATION_CACHE=off` turns that off.
 """
 
 import argparse
@@ -426,7 +431,16 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.set_defaults(run=lora_memory_command)
 
+    for command in commands.choices.values():
+        command.add_argument(
+            "--no-compilation-cache",
+            action="store_true",
+            help="compile every program afresh (default: keep compiled programs in "
+            "eqx_lean.use_compilation_cache()'s directory, so a second run compiles nothing)",
+        )
     args = parser.parse_args()
+    if not args.no_compilation_cache:
+        eqx_lean.use_compilation_cache()
     args.run(args)
 
 

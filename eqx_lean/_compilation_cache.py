@@ -1,0 +1,101 @@
+"""JAX's persistent compilation cache, turned on for repeated runs: a second run compiles nothing.
+
+JAX keys each cached executable on the program, its compile options, the backend and jaxlib's
+version. The default directory is also split by machine (the accelerators' kind, or the host
+CPU's features for CPU programs): an XLA:CPU executable compiled for one CPU's instruction set
+is refused by another, so a home directory shared between machines would otherwise keep
+evicting and recompiling.
+"""
+
+import hashlib
+import os
+import platform
+from pathlib import Path
+
+import jax
+from jax.experimental.compilation_cache import compilation_cache
+
+
+ENV = "EQX_LEAN_COMPILATION_CACHE"
+_OFF = ("0", "off", "false", "no")
+
+
+def _cpu_features() -> str:
+    """The host CPU's feature flags (Linux), or what `platform` knows of it elsewhere."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return " ".join(sorted(line.split(":", 1)[1].split()))
+    except OSError:
+        pass
+    return f"{platform.machine()} {platform.processor()}"
+
+
+def machine_key() -> str:
+    """What an executable compiled here depends on beyond JAX's own key: the platform, the
+    devices' kind and, for CPU, the host's instruction set."""
+    devices = jax.devices()
+    kinds = sorted({d.device_kind for d in devices})
+    parts = [jax.__version__, devices[0].platform, *kinds]
+    if devices[0].platform == "cpu":
+        parts.append(_cpu_features())
+    digest = hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+    return f"{devices[0].platform}-{digest}"
+
+
+def default_cache_dir() -> Path:
+    """`$XDG_CACHE_HOME/eqx_lean/xla/<machine>` (`~/.cache` without `XDG_CACHE_HOME`)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "eqx_lean" / "xla" / machine_key()
+
+
+def use_compilation_cache(directory: str | os.PathLike | None = None) -> Path | None:
+    """Turns on JAX's persistent compilation cache, so that a second run compiles nothing.
+
+    The `python -m examples.mistral7b` commands call it (pass `--no-compilation-cache` to
+    opt out), and so should a training script, first thing:
+
+    ```python
+    eqx_lean.use_compilation_cache()  # ~/.cache/eqx_lean/xla/<machine>
+    ```
+
+    Every program JAX compiles afterwards, however small or quick to compile, is written to
+    the directory, and read from it instead of compiled when a later process compiles the
+    same program for the same devices with the same versions (JAX's key). A run still traces
+    and lowers its functions; only XLA's compilation is skipped.
+
+    The cache is trusted code: keep it in a directory only you can write (it is created with
+    mode 0700). Where JAX's own cache was already set up (`JAX_COMPILATION_CACHE_DIR` or
+    `jax.config.update("jax_compilation_cache_dir", ...)`), that setting is kept.
+
+    **Arguments:**
+
+    - `directory`: where to keep the cache. Default: the environment variable
+        `EQX_LEAN_COMPILATION_CACHE` if set (`0`, `off`, `false` or `no` turn the cache off),
+        else `$XDG_CACHE_HOME/eqx_lean/xla/<machine>` (`~/.cache/...`), one directory per
+        platform, device kind and (for CPU programs) host instruction set.
+
+    **Returns:**
+
+    The directory in use, or `None` when turned off.
+    """
+    configured = jax.config.jax_compilation_cache_dir
+    if directory is None:
+        setting = os.environ.get(ENV)
+        if setting is not None and setting.strip().lower() in _OFF:
+            return None
+        if configured:
+            return Path(configured)
+        directory = setting or default_cache_dir()
+    path = Path(directory).expanduser()
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    # JAX caches only programs that took a second to compile by default: a run's dozens of
+    # small programs (loads, writes, updates) would all compile again.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    # JAX decides once per process whether the cache is in use, at its first compilation:
+    # reset that, so that a call after some compilation still takes effect.
+    compilation_cache.reset_cache()
+    return path
