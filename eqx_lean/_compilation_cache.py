@@ -80,7 +80,7 @@ def use_compilation_cache(directory: str | os.PathLike | None = None) -> Path | 
 
     The directory in use, or `None` when turned off.
     """
-    configured = jax.config.jax_compilation_cache_dir
+    configured = jax.config.jax_compilation_cache_dir  # pyright: ignore[reportAttributeAccessIssue]
     if directory is None:
         setting = os.environ.get(ENV)
         if setting is not None and setting.strip().lower() in _OFF:
