@@ -18,7 +18,7 @@ from .._targets import dotted
 from ..quant._array import QuantizedArray
 from ..quant._linear import QuantConfig, QuantizedLinear, chosen_modules
 from ..quant._load import load_quantized_stack
-from ..quant._sharding import quantized_shardings
+from ..quant._sharding import place_scales, quantized_shardings
 from .checks import Leaf
 from .snapshot import Checkpoint
 
@@ -109,17 +109,7 @@ def load_quantized_leaf(
     )
     placed = jax.tree.map(lambda x: x[0], one)
     codes = jax.device_put(placed.codes, shardings.codes)
-    scale_bits = placed.scale_bits
-    if shardings.scales is not None:
-        if isinstance(scale_bits, jax.Array):
-            scale_bits = jax.device_put(scale_bits, shardings.scales)
-        else:
-            scale_bits = type(scale_bits)(
-                jax.device_put(scale_bits.codes, shardings.scales),
-                jax.device_put(scale_bits.absmax_bits, shardings.nested),
-                jax.device_put(scale_bits.offset_bits, shardings.nested),
-                scale_bits.blocksize,
-            )
+    scale_bits = place_scales(placed.scale_bits, shardings)
     return eqx.tree_at(lambda q: (q.codes, q.scale_bits), placed, (codes, scale_bits))
 
 

@@ -27,7 +27,7 @@ from ._int8 import int8_encode
 from ._linear import QuantConfig
 from ._nf4 import nf4_encode, num_blocks
 from ._ops import widen_exactly
-from ._sharding import UNPLACED, QuantizedShardings
+from ._sharding import UNPLACED, QuantizedShardings, place_scales
 
 
 # Values quantised per compiled call: 4 Mi values (8 MiB of bfloat16, 16 MiB in float32).
@@ -147,13 +147,7 @@ def load_quantized_stack(
         maps.close()
     if scales is None:
         stacked: Any = jax.tree.map(lambda *xs: jnp.stack(xs), *nested)
-        if shardings.scales is not None:
-            stacked = DoubleQuantizedScales(
-                jax.device_put(stacked.codes, shardings.scales),
-                jax.device_put(stacked.absmax_bits, shardings.nested),
-                jax.device_put(stacked.offset_bits, shardings.nested),
-                stacked.blocksize,
-            )
+        stacked = place_scales(stacked, shardings)
     else:
         stacked = scales
     return QuantizedArray(

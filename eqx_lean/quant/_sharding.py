@@ -21,7 +21,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
 from .._core.policy import axis_names
-from ._array import is_quantized
+from ._array import DoubleQuantizedScales, is_quantized
 
 
 _CODES, _SCALES = jax.tree_util.GetAttrKey("codes"), jax.tree_util.GetAttrKey("scale_bits")
@@ -97,6 +97,21 @@ def quantized_shardings(
         )
     whole = NamedSharding(mesh, PartitionSpec(*batch))
     return QuantizedShardings(rows_sharding, rows_sharding, whole)
+
+
+def place_scales(scale_bits: Any, shardings: QuantizedShardings) -> Any:
+    """A `QuantizedArray`'s `scale_bits` (an array, or `DoubleQuantizedScales`) placed as
+    `shardings` says; as they are where `shardings` leaves them unplaced."""
+    if shardings.scales is None:
+        return scale_bits
+    if isinstance(scale_bits, DoubleQuantizedScales):
+        return DoubleQuantizedScales(
+            jax.device_put(scale_bits.codes, shardings.scales),
+            jax.device_put(scale_bits.absmax_bits, shardings.nested),
+            jax.device_put(scale_bits.offset_bits, shardings.nested),
+            scale_bits.blocksize,
+        )
+    return jax.device_put(scale_bits, shardings.scales)
 
 
 def check_layer_shardings(layer: Any, shardings: dict[Any, Sharding | None]) -> None:
