@@ -65,9 +65,13 @@ def use_compilation_cache(directory: str | os.PathLike | None = None) -> Path | 
     same program for the same devices with the same versions (JAX's key). A run still traces
     and lowers its functions; only XLA's compilation is skipped.
 
-    The cache is trusted code: keep it in a directory only you can write (it is created with
-    mode 0700). Where JAX's own cache was already set up (`JAX_COMPILATION_CACHE_DIR` or
-    `jax.config.update("jax_compilation_cache_dir", ...)`), that setting is kept.
+    JAX writes each entry in place, not atomically: a process killed while writing one leaves
+    it truncated, and JAX then refuses it (its compressed stream does not decode), warns and
+    compiles again, in every later run, since it never replaces an entry. Delete the directory
+    to clear such entries. The cache is trusted code: keep it in a directory only you can write
+    (it is created with mode 0700). Where JAX's own cache was already set up
+    (`JAX_COMPILATION_CACHE_DIR` or `jax.config.update("jax_compilation_cache_dir", ...)`),
+    that setting is kept.
 
     **Arguments:**
 
