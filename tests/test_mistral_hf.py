@@ -193,3 +193,17 @@ def test_load_hf_of_an_open_checkpoint_reads_that_checkpoint(tmp_path):
         ),
     ):
         load_hf(opened)
+
+
+def test_load_hf_file_backed_equals_the_copied_load_and_gives_the_same_logits(tmp_path):
+    path = tmp_path / "ckpt"
+    checkpoint(path, dtype="bfloat16")
+    copied = load_hf(path)
+    mapped = load_hf(path, file_backed=True)
+    assert_same(mapped, copied)
+    ids = jnp.asarray([[1, 5, 7, 3]])
+    np.testing.assert_array_equal(np.asarray(mapped(ids)), np.asarray(copied(ids)))
+    with pytest.raises(ValueError, match="stores it as bfloat16 and the load asks for float32"):
+        load_hf(path, dtype=jnp.float32, file_backed=True)
+    with pytest.raises(ValueError, match="pass one of the two"):
+        load_hf(path, file_backed=True, quantize="int8")

@@ -29,6 +29,7 @@ from .._core.chunks import (
 )
 from ..quant._linear import QuantConfig
 from .checks import Leaf, check_checkpoint, select_layers
+from .file_backed import FileMaps, file_backed_leaf
 from .names import (
     TensorName,
     check_transpose_rank,
@@ -159,12 +160,25 @@ def _load_into(
     selected: Sequence[int] | None,
     quantize: QuantConfig | None,
     quantized: dict[KeyPath, str],
+    file_backed: bool,
 ) -> list[Any]:
     """The leaves' values: the named ones filled from `checkpoint` (those in `quantized`
-    quantised with `quantize` as they stream, after the others), the rest as `like` held."""
+    quantised with `quantize` as they stream, after the others) or, with `file_backed`, mapped
+    from its files; the rest as `like` held."""
     named = [
         j for j, leaf in enumerate(leaves) if leaf.name is not None and leaf.path not in quantized
     ]
+    if file_backed:
+        maps = FileMaps(checkpoint)
+        mapped: list[Any] = []
+        try:
+            for j in named:
+                mapped.append(file_backed_leaf(leaves[j], checkpoint, selected, maps))
+        except BaseException:
+            delete_arrays(mapped)
+            raise
+        loaded = dict(zip(named, mapped, strict=True))
+        return [loaded[j] if j in loaded else leaf.source for j, leaf in enumerate(leaves)]
     targets = []
     for j in named:
         leaf = leaves[j]
@@ -209,10 +223,18 @@ def _load(
     layers: Any,
     strict: bool,
     quantize: Any,
+    file_backed: Any,
     fn: str,
 ) -> Any:
     dtype = check_dtype_policy(dtype)
     config = quant_config(quantize)
+    if not isinstance(file_backed, bool):
+        raise TypeError(f"`file_backed` must be True or False; got {file_backed!r}.")
+    if file_backed and config is not None:
+        raise ValueError(
+            "`file_backed=True` makes arrays of the checkpoint's stored values, and `quantize` "
+            "makes new values from them: pass one of the two."
+        )
     modules = quantized_modules(like, config)
     quantized = {weight_path(path): name for path, name in modules.items()}
     layout, leaves, num_layers = _plan_leaves(
@@ -226,7 +248,7 @@ def _load(
         )
     with opened(path) as checkpoint:
         check_checkpoint(leaves, checkpoint, selected, layers is not None, strict, fn)
-        values = _load_into(leaves, checkpoint, selected, config, quantized)
+        values = _load_into(leaves, checkpoint, selected, config, quantized, file_backed)
     weights = {
         leaf.path: v for leaf, v in zip(leaves, values, strict=True) if leaf.path in quantized
     }
@@ -278,6 +300,7 @@ def load_tensors(
     layers: int | range | None = None,
     strict: bool = True,
     quantize: QuantConfig | str | None = None,
+    file_backed: bool = False,
 ) -> M:
     """Loads a whole model from safetensors files, straight into its final buffers.
 
@@ -329,6 +352,7 @@ def load_tensors(
         layers=layers,
         strict=strict,
         quantize=quantize,
+        file_backed=file_backed,
         fn="load_tensors",
     )
 
@@ -345,6 +369,7 @@ def load_stacked(
     layers: int | range | None = None,
     strict: bool = True,
     quantize: QuantConfig | str | None = None,
+    file_backed: bool = False,
 ) -> M:
     """Loads stacked layers from safetensors files that store one tensor per layer.
 
@@ -437,6 +462,20 @@ def load_stacked(
         it names, each shard holding whole blocks and the scales of its blocks, or the load is
         refused naming the weight. A stack of quantised layers runs sharded under
         [`eqx_lean.fold`][], which gathers each layer.
+    - `file_backed`: `False` (the default) copies every tensor into memory of its own. `True`,
+        on CPU, makes each loaded leaf the file's own pages instead (a private copy-on-write
+        memory map), as `transformers` maps a checkpoint: the load copies nothing, takes no
+        anonymous memory, and pages are read from the page cache when first used. Each leaf
+        must be stored as it is loaded: in its `dtype`, untransposed, on one CPU device, its
+        data 64-byte aligned, and a stacked leaf's layers consecutive tensors of one file in
+        layer order. Checkpoints that eqx_lean saves are so laid out, each stack in one file
+        when it fits in `max_shard_bytes`; for any other leaf the load is refused, naming it
+        and the reason. For a frozen base (LoRA, inference): such arrays must not be donated
+        or updated in place. Nothing breaks if they are (the map is private, so the file never
+        changes), but the pages written become anonymous memory, a copy after all. The file
+        must not be truncated or rewritten in place while the arrays live (eqx_lean's own
+        saves replace files, which leaves the mapped ones intact); reading a page of a
+        truncated file kills the process with `SIGBUS`.
 
     **Returns:**
 
@@ -453,5 +492,6 @@ def load_stacked(
         layers=layers,
         strict=strict,
         quantize=quantize,
+        file_backed=file_backed,
         fn="load_stacked",
     )

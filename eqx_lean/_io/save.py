@@ -72,7 +72,7 @@ def _plan_records(tree: Any, names: Any, fn: str) -> tuple[list[Any], list[_Reco
         require_all_stacked(layout, tensor_names, fn)
     num_layers = layer_count(layout, tensor_names)
     plain: list[_Record] = []
-    per_layer: list[list[_Record]] = [[] for _ in range(num_layers or 0)]
+    stacks: list[list[_Record]] = []
     for j, (path, leaf, name) in enumerate(
         zip(layout.paths, layout.structs, tensor_names, strict=True)
     ):
@@ -89,11 +89,13 @@ def _plan_records(tree: Any, names: Any, fn: str) -> tuple[list[Any], list[_Reco
         stored = name.stored_shape(shape)
         inverse = _inverse(name.transpose)
         if name.stacked:
-            for layer in range(num_layers or 0):
-                per_layer[layer].append(_Record(name.at(layer), j, layer, inverse, dtype, stored))
+            layers = range(num_layers or 0)
+            stacks.append([_Record(name.at(i), j, i, inverse, dtype, stored) for i in layers])
         else:
             plain.append(_Record(name.at(None), j, None, inverse, dtype, stored))
-    records = plain + [r for layer in per_layer for r in layer]
+    # Each stack's layers are consecutive in the file, in layer order, so that a load with
+    # `file_backed=True` can use the stack's bytes in place as one array.
+    records = plain + [r for stack in stacks for r in stack]
     seen: dict[str, _Record] = {}
     for r in records:
         if r.name in seen:
@@ -106,15 +108,37 @@ def _plan_records(tree: Any, names: Any, fn: str) -> tuple[list[Any], list[_Reco
     return arrays, records
 
 
+def _units(records: Sequence[_Record]) -> list[list[_Record]]:
+    """Records grouped into what a file keeps whole: a stack (a leaf's consecutive layer
+    records), or one plain tensor."""
+    units: list[list[_Record]] = []
+    for r in records:
+        if r.layer is not None and r.layer > 0 and units and units[-1][-1].leaf == r.leaf:
+            units[-1].append(r)
+        else:
+            units.append([r])
+    return units
+
+
 def _split_files(records: Sequence[_Record], max_shard_bytes: int) -> list[list[_Record]]:
+    """Records in order, cut into files of at most `max_shard_bytes` (or one tensor more).
+
+    A stack that fits in a file is never cut: it starts a new file rather than straddle two,
+    so that it can be loaded in place (`file_backed`).
+    """
     files: list[list[_Record]] = [[]]
     size = 0
-    for r in records:
-        if files[-1] and size + r.nbytes > max_shard_bytes:
+    for unit in _units(records):
+        unit_bytes = sum(r.nbytes for r in unit)
+        if files[-1] and unit_bytes <= max_shard_bytes and size + unit_bytes > max_shard_bytes:
             files.append([])
             size = 0
-        files[-1].append(r)
-        size += r.nbytes
+        for r in unit:  # a stack larger than a file is cut as tensors come
+            if files[-1] and size + r.nbytes > max_shard_bytes:
+                files.append([])
+                size = 0
+            files[-1].append(r)
+            size += r.nbytes
     return files
 
 
@@ -136,12 +160,15 @@ def _header_bytes(records: Sequence[_Record], metadata: Mapping[str, str]) -> by
 
 
 def _aligned_first(records: Sequence[_Record]) -> list[_Record]:
-    """Puts the tensors whose sizes are multiples of 64 bytes first, so all of them start aligned.
+    """Puts the stacks and tensors whose sizes are multiples of 64 bytes first, so that all of
+    them start aligned (and each stack's layers stay consecutive).
 
     Tensors must be contiguous in a safetensors file (no padding between them), so order is the
     only way to keep their offsets aligned.
     """
-    return sorted(records, key=lambda r: r.nbytes % ALIGN != 0)
+    units = _units(records)
+    units.sort(key=lambda unit: sum(r.nbytes for r in unit) % ALIGN != 0)
+    return [r for unit in units for r in unit]
 
 
 @jax.jit

@@ -254,6 +254,7 @@ def load_hf(
     sharding: Any = None,
     strict: bool = True,
     quantize: Any = None,
+    file_backed: bool = False,
 ) -> Mistral:
     """Loads a HuggingFace Mistral, Llama or Qwen2 checkpoint directory with
     [`eqx_lean.load_tensors`][].
@@ -291,18 +292,28 @@ def load_hf(
         for the weight places it, its NF4 codes split between rows (see
         [`eqx_lean.load_tensors`][]). A checkpoint saved quantised (a
         `quantization_config` in `config.json`, as `*-bnb-4bit` repositories) is refused.
+    - `file_backed`: `True`, on CPU, makes every weight the checkpoint file's own pages
+        instead of a copy (see [`eqx_lean.load_tensors`][]): the load reads nothing until the
+        weights are used and takes no anonymous memory, for a frozen base (inference, LoRA).
+        The checkpoint must be one eqx_lean saved ([`save_hf`][], each stacked weight in one
+        file), loaded in its stored dtype.
 
     **Returns:**
 
     The [`Mistral`][] model.
     """
     quant = quant_config(quantize)
+    if file_backed is True and quant is not None:
+        raise ValueError(
+            "`file_backed=True` makes arrays of the checkpoint's stored values, and `quantize` "
+            "makes new values from them: pass one of the two."
+        )
     if isinstance(path, eqx_lean.Checkpoint):
-        return _load_opened(path, path.source, dtype, sharding, strict, quant)
+        return _load_opened(path, path.source, dtype, sharding, strict, quant, file_backed)
     path = os.fspath(path)
     _require_weights(path)
     with eqx_lean.open_checkpoint(path, files=["config.json", _GENERATION]) as checkpoint:
-        return _load_opened(checkpoint, path, dtype, sharding, strict, quant)
+        return _load_opened(checkpoint, path, dtype, sharding, strict, quant, file_backed)
 
 
 def _load_opened(
@@ -312,6 +323,7 @@ def _load_opened(
     sharding: Any,
     strict: bool,
     quant: QuantConfig | None = None,
+    file_backed: bool = False,
 ) -> Mistral:
     config_file = os.path.join(path, "config.json")
     try:
@@ -343,7 +355,13 @@ def _load_opened(
         return load_quantized(checkpoint, like, _hf_name, quant, strict, layers, sharding)
     if not (config.tie_word_embeddings and stored_head):
         return eqx_lean.load_tensors(
-            checkpoint, like, _hf_name, sharding=sharding, layers=layers, strict=strict
+            checkpoint,
+            like,
+            _hf_name,
+            sharding=sharding,
+            layers=layers,
+            strict=strict,
+            file_backed=file_backed,
         )
     # A tied checkpoint that stores its head anyway (some writers do): load it beside the
     # embedding, check that they are one matrix, and keep the embedding alone.
@@ -355,6 +373,7 @@ def _load_opened(
         sharding=sharding,
         layers=layers,
         strict=strict,
+        file_backed=file_backed,
     )
     assert model.lm_head is not None
     if not bool(jnp.array_equal(model.lm_head.weight, model.embed_tokens.weight)):

@@ -1,0 +1,203 @@
+"""Time to first logits: load a checkpoint and run one 16-token forward pass, against
+`transformers`, each in a fresh process, alternated, with the page cache warm.
+
+Methods (each a fresh process; the timer starts after the imports):
+
+- `transformers`: `AutoModelForCausalLM.from_pretrained(hf_checkpoint, dtype=bfloat16)`, then
+  a forward pass under `torch.no_grad()` (transformers 5 maps the file and reads it lazily);
+- `eqx_lean`: `load_hf(hf_checkpoint)` (every tensor copied into memory of its own), then
+  the jitted forward pass;
+- `eqx_lean file_backed`: `load_hf(eqx_checkpoint, file_backed=True)` (the arrays are the
+  file's pages), then the jitted forward pass.
+
+eqx_lean's forward pass is compiled in each fresh process unless the persistent compilation
+cache holds it; both cases are measured: `--compilation-cache DIR` makes each eqx_lean process
+call `eqx_lean.use_compilation_cache(DIR)` after one warm-up run has filled it.
+
+Also measured, in its own process: the rate of a plain copy of the checkpoint's bytes (from
+its memory-mapped files, page cache warm) into freshly allocated memory, first touch included
+(`np.copyto` into `np.empty`), beside which eqx_lean's copying load rate is reported.
+
+    PYTHONPATH=. python benchmarks/first_logits.py --hf /work/ckpt1b_hf --eqx /work/ckpt1b_eqx
+
+The 1.1B checkpoints there: the Mistral shape of `docs/benchmarks.md`, random bfloat16 weights,
+`--hf` written by `transformers` (`save_pretrained`), `--eqx` by `eqx_lean.hf.save_hf`.
+"""
+
+import argparse
+import json
+import mmap
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+SEQ = 16
+
+
+def _rss_kib() -> dict[str, int]:
+    fields = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("RssAnon", "RssFile", "VmHWM"):
+            fields[key] = int(value.split()[0])
+    return fields
+
+
+def _tokens(vocab_size: int) -> list[int]:
+    import numpy as np
+
+    return np.random.default_rng(0).integers(0, vocab_size, size=SEQ).tolist()
+
+
+def _weight_files(checkpoint: str) -> list[Path]:
+    return sorted(Path(checkpoint).glob("*.safetensors"))
+
+
+def eqx_worker(checkpoint: str, file_backed: bool, cache: str | None) -> dict:
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import eqx_lean
+    from eqx_lean.hf import load_hf
+
+    if cache:
+        eqx_lean.use_compilation_cache(cache)
+    jnp.zeros(1).block_until_ready()  # JAX's runtime up before the timer, as torch's is
+    before = _rss_kib()["RssAnon"]
+    start = time.perf_counter()
+    model = load_hf(checkpoint, file_backed=file_backed)
+    jax.block_until_ready(model)
+    loaded = time.perf_counter()
+    ids = jnp.asarray([_tokens(model.config.vocab_size)], dtype=jnp.int32)
+    logits = np.asarray(eqx.filter_jit(lambda m, i: m(i))(model, ids))
+    done = time.perf_counter()
+    nbytes = sum(x.nbytes for x in jax.tree.leaves(eqx.filter(model, eqx.is_array)))
+    return {
+        "load": loaded - start,
+        "first_logits": done - start,
+        "logit": float(logits[0, -1, 0]),
+        "bytes": nbytes,
+        "anon_before": before,
+    } | _rss_kib()
+
+
+def torch_worker(checkpoint: str) -> dict:
+    import torch
+    import transformers
+
+    before = _rss_kib()["RssAnon"]
+    start = time.perf_counter()
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16)
+    loaded = time.perf_counter()
+    ids = torch.tensor([_tokens(model.config.vocab_size)], dtype=torch.long)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits.float().numpy()
+    done = time.perf_counter()
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return {
+        "load": loaded - start,
+        "first_logits": done - start,
+        "logit": float(logits[0, -1, 0]),
+        "bytes": nbytes,
+        "anon_before": before,
+    } | _rss_kib()
+
+
+def copy_worker(checkpoint: str, repeats: int = 3) -> dict:
+    """GB/s of copying the checkpoint's files (freshly mapped, page cache warm) into freshly
+    allocated memory, `repeats` times in one process: the first and the best."""
+    import numpy as np
+
+    rates = []
+    for _ in range(repeats):
+        total, seconds = 0, 0.0
+        for file in _weight_files(checkpoint):
+            with open(file, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+                source = np.frombuffer(m, np.uint8)
+                start = time.perf_counter()
+                target = np.empty_like(source)  # untouched pages: the copy faults each one in
+                np.copyto(target, source)
+                seconds += time.perf_counter() - start
+                total += source.nbytes
+                del source, target
+        rates.append(total / seconds / 1e9)
+    return {"bytes": total, "first": rates[0], "best": max(rates)}
+
+
+def _warm(checkpoint: str) -> None:
+    for file in _weight_files(checkpoint):
+        with open(file, "rb") as f:
+            while f.read(64 * 2**20):
+                pass
+
+
+def _run(args: argparse.Namespace, worker: str, cache: str | None = None) -> dict:
+    command = [sys.executable, __file__, "--hf", args.hf, "--eqx", args.eqx, "--worker", worker]
+    if cache:
+        command += ["--compilation-cache", cache]
+    done = subprocess.run(command, capture_output=True, text=True, env=os.environ)
+    if done.returncode:
+        raise SystemExit(f"{worker} failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--hf", required=True, help="a checkpoint transformers wrote")
+    parser.add_argument("--eqx", required=True, help="the same weights, saved by eqx_lean")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--compilation-cache")
+    workers = ["transformers", "eqx_lean", "file_backed", "copy"]
+    parser.add_argument("--worker", choices=workers, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    cache = args.compilation_cache
+    if args.worker == "transformers":
+        result = torch_worker(args.hf)
+    elif args.worker == "eqx_lean":
+        result = eqx_worker(args.hf, False, cache)
+    elif args.worker == "file_backed":
+        result = eqx_worker(args.eqx, True, cache)
+    elif args.worker == "copy":
+        result = copy_worker(args.hf)
+    if args.worker:
+        print(json.dumps(result))
+        return
+    with tempfile.TemporaryDirectory() as cache_dir:
+        _warm(args.hf)
+        _warm(args.eqx)
+        _run(args, "file_backed", cache_dir)  # fills the compilation cache
+        for round_ in range(args.rounds):
+            _warm(args.hf)
+            _warm(args.eqx)
+            copy = _run(args, "copy")
+            print(
+                f"round {round_ + 1} copy of {copy['bytes'] / 2**30:.2f} GiB into fresh memory: "
+                f"{copy['best']:.2f} GB/s (best of 3 in one process; the first "
+                f"{copy['first']:.2f})",
+                flush=True,
+            )
+            runs = [("transformers", None), ("eqx_lean", None), ("eqx_lean", cache_dir)]
+            runs += [("file_backed", None), ("file_backed", cache_dir)]
+            for worker, with_cache in runs:
+                r = _run(args, worker, with_cache)
+                label = worker + (" (compilation cache)" if with_cache else "")
+                added = r["RssAnon"] - r["anon_before"]
+                rate = f", {r['bytes'] / r['load'] / 1e9:.2f} GB/s" if worker == "eqx_lean" else ""
+                print(
+                    f"round {round_ + 1} {label:34}: first logits {r['first_logits']:5.2f} s "
+                    f"(load {r['load']:5.2f} s{rate}); anonymous memory added "
+                    f"{added / 2**20:5.2f} GiB ({added * 1024 / r['bytes']:5.1%} of the model's "
+                    f"{r['bytes'] / 2**30:.2f} GiB; {r['RssAnon'] / 2**20:.2f} GiB in all), "
+                    f"file-backed {r['RssFile'] / 2**20:5.2f} GiB; logit {r['logit']:.4f}",
+                    flush=True,
+                )
+
+
+if __name__ == "__main__":
+    main()
