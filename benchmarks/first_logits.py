@@ -114,7 +114,7 @@ def copy_worker(checkpoint: str, repeats: int = 3) -> dict:
     allocated memory, `repeats` times in one process: the first and the best."""
     import numpy as np
 
-    rates = []
+    rates, total = [], 0
     for _ in range(repeats):
         total, seconds = 0, 0.0
         for file in _weight_files(checkpoint):
@@ -157,16 +157,14 @@ def main() -> None:
     parser.add_argument("--worker", choices=workers, help=argparse.SUPPRESS)
     args = parser.parse_args()
     cache = args.compilation_cache
-    if args.worker == "transformers":
-        result = torch_worker(args.hf)
-    elif args.worker == "eqx_lean":
-        result = eqx_worker(args.hf, False, cache)
-    elif args.worker == "file_backed":
-        result = eqx_worker(args.eqx, True, cache)
-    elif args.worker == "copy":
-        result = copy_worker(args.hf)
     if args.worker:
-        print(json.dumps(result))
+        workers = {
+            "transformers": lambda: torch_worker(args.hf),
+            "eqx_lean": lambda: eqx_worker(args.hf, False, cache),
+            "file_backed": lambda: eqx_worker(args.eqx, True, cache),
+            "copy": lambda: copy_worker(args.hf),
+        }
+        print(json.dumps(workers[args.worker]()))
         return
     with tempfile.TemporaryDirectory() as cache_dir:
         _warm(args.hf)

@@ -75,7 +75,7 @@ def test_saved_stacks_are_consecutive_aligned_and_in_one_file_when_they_fit(tmp_
     for leaf in ("w", "b"):
         spans = [offsets[NAMES[leaf].format(i=i)] for i in range(L)]
         assert len({file for file, _ in spans}) == 1, leaf
-        for (_, previous), (_, span) in zip(spans, spans[1:]):
+        for (_, previous), (_, span) in zip(spans, spans[1:], strict=False):
             assert span[0] == previous[1], leaf
     for _, (start, _) in offsets.values():
         assert start % 64 == 0

@@ -17,6 +17,7 @@ import math
 import mmap
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
@@ -52,7 +53,7 @@ def _refuse(leaf: Leaf, reason: str, fix: str = _RESAVE) -> ValueError:
     return ValueError(f"`file_backed=True` cannot map leaf {describe_leaf(leaf)}: {reason}. {fix}")
 
 
-def _device(leaf: Leaf) -> jax.Device:
+def _device(leaf: Leaf) -> Any:
     sharding = leaf.sharding
     if sharding is None:
         device = jax.devices()[0]
