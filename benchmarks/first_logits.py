@@ -57,6 +57,18 @@ def _weight_files(checkpoint: str) -> list[Path]:
     return sorted(Path(checkpoint).glob("*.safetensors"))
 
 
+def _result(times: tuple[float, float, float], logits, nbytes: int, anon_before: int) -> dict:
+    """A run's figures: `times` are the start, the end of the load and the first logits."""
+    start, loaded, done = times
+    return {
+        "load": loaded - start,
+        "first_logits": done - start,
+        "logit": float(logits[0, -1, 0]),
+        "bytes": nbytes,
+        "anon_before": anon_before,
+    } | _rss_kib()
+
+
 def eqx_worker(checkpoint: str, file_backed: bool, cache: str | None) -> dict:
     import equinox as eqx
     import jax
@@ -78,13 +90,7 @@ def eqx_worker(checkpoint: str, file_backed: bool, cache: str | None) -> dict:
     logits = np.asarray(eqx.filter_jit(lambda m, i: m(i))(model, ids))
     done = time.perf_counter()
     nbytes = sum(x.nbytes for x in jax.tree.leaves(eqx.filter(model, eqx.is_array)))
-    return {
-        "load": loaded - start,
-        "first_logits": done - start,
-        "logit": float(logits[0, -1, 0]),
-        "bytes": nbytes,
-        "anon_before": before,
-    } | _rss_kib()
+    return _result((start, loaded, done), logits, nbytes, before)
 
 
 def torch_worker(checkpoint: str) -> dict:
@@ -100,13 +106,7 @@ def torch_worker(checkpoint: str) -> dict:
         logits = model(input_ids=ids).logits.float().numpy()
     done = time.perf_counter()
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    return {
-        "load": loaded - start,
-        "first_logits": done - start,
-        "logit": float(logits[0, -1, 0]),
-        "bytes": nbytes,
-        "anon_before": before,
-    } | _rss_kib()
+    return _result((start, loaded, done), logits, nbytes, before)
 
 
 def copy_worker(checkpoint: str, repeats: int = 3) -> dict:
