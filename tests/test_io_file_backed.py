@@ -132,6 +132,19 @@ def test_file_backed_arrays_outlive_the_checkpoint_and_a_donation_leaves_the_fil
     np.testing.assert_array_equal(np.asarray(again["w"]), np.asarray(tree["w"]))
 
 
+@linux_only
+def test_a_scalar_leaf_beside_a_stack_is_mapped_too(tmp_path):
+    tree = {"w": model()["w"], "scale": jnp.asarray(0.5, jnp.bfloat16)}
+    names = {"w": NAMES["w"], "scale": "model.scale"}
+    path = tmp_path / "ckpt"
+    eqx_lean.save_tensors(path, tree, names)
+    mapped = eqx_lean.load_tensors(path, like_of(tree), names, file_backed=True)
+    assert mapped["scale"].shape == ()
+    assert float(mapped["scale"]) == 0.5
+    assert mapped_file(mapped["scale"].unsafe_buffer_pointer()) == str(path / "model.safetensors")
+    np.testing.assert_array_equal(np.asarray(mapped["w"]), np.asarray(tree["w"]))
+
+
 def test_file_backed_refuses_what_it_cannot_map_naming_the_leaf(tmp_path):
     tree = model()
     # Written layer by layer and 8-byte aligned, as `safetensors` and `transformers` write.
@@ -218,6 +231,8 @@ def test_file_backed_refuses_leaves_spread_over_devices(tmp_path):
         one = NamedSharding(jax.make_mesh((1,), ("d",), devices=jax.devices()[:1]), P())
         out = eqx_lean.load_stacked(path, like, {"w": "l.{i}.w"}, sharding=one, file_backed=True)
         assert float(out["w"].sum()) == 4 * 64
+        assert out["w"].sharding.is_equivalent_to(NamedSharding(one.mesh, P()), 3)
+        assert out["w"].sharding.mesh == one.mesh
         print("ok")
         """
     )

@@ -17,29 +17,14 @@ import math
 import mmap
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import jax
 import numpy as np
 
 from .._platform import ZERO_COPY_ALIGNMENT
 from .checks import Leaf, describe_leaf
-from .safetensors import Tensor
+from .safetensors import Maps, Tensor
 from .snapshot import Checkpoint
-
-
-class FileMaps:
-    """Private copy-on-write maps of a checkpoint's files, one per file, made on first use."""
-
-    def __init__(self, checkpoint: Checkpoint):
-        self._fds = checkpoint.fds
-        self._maps: dict[Path, mmap.mmap] = {}
-
-    def map(self, file: Path) -> mmap.mmap:
-        if file not in self._maps:
-            # The map duplicates the descriptor, so it outlives the checkpoint's own.
-            self._maps[file] = mmap.mmap(self._fds[file], 0, access=mmap.ACCESS_COPY)
-        return self._maps[file]
 
 
 _RESAVE = (
@@ -53,26 +38,23 @@ def _refuse(leaf: Leaf, reason: str, fix: str = _RESAVE) -> ValueError:
     return ValueError(f"`file_backed=True` cannot map leaf {describe_leaf(leaf)}: {reason}. {fix}")
 
 
-def _device(leaf: Leaf) -> Any:
-    sharding = leaf.sharding
-    if sharding is None:
-        device = jax.devices()[0]
-    elif len(sharding.device_set) != 1:
+def _check_placement(leaf: Leaf) -> None:
+    """Refuses a leaf that is not to be on one CPU device."""
+    devices = [jax.devices()[0]] if leaf.sharding is None else list(leaf.sharding.device_set)
+    if len(devices) != 1:
         raise _refuse(
             leaf,
-            f"its sharding spreads it over {len(sharding.device_set)} devices, and only an "
-            "array on one CPU device can be the file's pages",
+            f"its sharding spreads it over {len(devices)} devices, and only an array on one "
+            "CPU device can be the file's pages",
+            "Load it without `file_backed`.",
         )
-    else:
-        (device,) = sharding.device_set
-    if device.platform != "cpu":
+    if devices[0].platform != "cpu":
         raise _refuse(
             leaf,
-            f"it is placed on a {device.platform} device, and only CPU arrays can be the "
+            f"it is placed on a {devices[0].platform} device, and only CPU arrays can be the "
             "file's pages (an accelerator's memory is not the host's)",
             "Load it without `file_backed`.",
         )
-    return device
 
 
 def _region(leaf: Leaf, tensors: Sequence[Tensor], layers: Sequence[int]) -> tuple[Path, int]:
@@ -103,38 +85,24 @@ def _region(leaf: Leaf, tensors: Sequence[Tensor], layers: Sequence[int]) -> tup
     return first.file, first.start
 
 
-def file_backed_leaf(
-    leaf: Leaf, checkpoint: Checkpoint, selected: Sequence[int] | None, maps: FileMaps
+def _file_backed_leaf(
+    leaf: Leaf, checkpoint: Checkpoint, selected: Sequence[int] | None, maps: Maps
 ) -> jax.Array:
-    """The leaf as a JAX array whose memory is its tensors' pages of the checkpoint file.
-
-    **Arguments:**
-
-    - `leaf`: a named leaf of the load, already checked against the checkpoint.
-    - `checkpoint`, `selected`: the open checkpoint and the layers loaded (`None`: all).
-    - `maps`: the load's file maps.
-
-    **Returns:**
-
-    The array, on one CPU device. Raises `ValueError` naming the leaf when its tensors cannot
-    be its memory as they are (a dtype conversion, a transposition, several devices, layers
-    out of order or in two files, data not 64-byte aligned).
-    """
     name = leaf.name
     assert name is not None
     target = leaf.target
-    device = _device(leaf)
+    _check_placement(leaf)
     if name.transpose is not None:
         raise _refuse(
             leaf,
             "its tensor is stored transposed, and a transposition is a copy",
             "Load it without `file_backed`.",
         )
-    layers = list(selected if selected is not None else range(target.shape[0]))
     if name.stacked:
+        layers = list(selected if selected is not None else range(target.shape[0]))
         tensors = [checkpoint.tensors[name.at(layer)] for layer in layers]
     else:
-        tensors = [checkpoint.tensors[name.at(None)]]
+        layers, tensors = [], [checkpoint.tensors[name.at(None)]]
     stored = tensors[0].dtype
     if stored != np.dtype(target.dtype):
         raise _refuse(
@@ -145,10 +113,10 @@ def file_backed_leaf(
         )
     count = math.prod(target.shape)
     if count == 0:
-        return jax.device_put(np.zeros(target.shape, stored), device)
+        return jax.device_put(np.zeros(target.shape, stored), leaf.sharding)
     file, start = _region(leaf, tensors, layers)
-    view = np.frombuffer(maps.map(file), stored, count, start).reshape(target.shape)
-    array = jax.device_put(view, device)
+    view = maps.region(file, stored, count, start).reshape(target.shape)
+    array = jax.device_put(view, leaf.sharding)
     if array.unsafe_buffer_pointer() != view.ctypes.data:
         array.delete()
         raise _refuse(
@@ -157,3 +125,32 @@ def file_backed_leaf(
             "Load it without `file_backed`.",
         )
     return array
+
+
+def file_backed_leaves(
+    leaves: Sequence[Leaf], checkpoint: Checkpoint, selected: Sequence[int] | None
+) -> list[jax.Array]:
+    """The leaves as JAX arrays whose memory is their tensors' pages of the checkpoint's files.
+
+    **Arguments:**
+
+    - `leaves`: named leaves of the load, already checked against the checkpoint.
+    - `checkpoint`, `selected`: the open checkpoint and the layers loaded (`None`: all).
+
+    **Returns:**
+
+    The arrays, each on its one CPU device as its sharding says (`None`: the default device,
+    uncommitted). Raises `ValueError` naming the first leaf whose tensors cannot be its memory
+    as they are (a dtype conversion, a transposition, several devices, layers apart or in two
+    files, data not 64-byte aligned); the arrays made before it are deleted.
+    """
+    maps = Maps(checkpoint.fds, access=mmap.ACCESS_COPY)  # each map lives while an array uses it
+    arrays: list[jax.Array] = []
+    try:
+        for leaf in leaves:
+            arrays.append(_file_backed_leaf(leaf, checkpoint, selected, maps))
+    except BaseException:
+        for array in arrays:
+            array.delete()
+        raise
+    return arrays

@@ -29,7 +29,7 @@ from .._core.chunks import (
 )
 from ..quant._linear import QuantConfig
 from .checks import Leaf, check_checkpoint, select_layers
-from .file_backed import FileMaps, file_backed_leaf
+from .file_backed import file_backed_leaves
 from .names import (
     TensorName,
     check_transpose_rank,
@@ -169,14 +169,7 @@ def _load_into(
         j for j, leaf in enumerate(leaves) if leaf.name is not None and leaf.path not in quantized
     ]
     if file_backed:
-        maps = FileMaps(checkpoint)
-        mapped: list[Any] = []
-        try:
-            for j in named:
-                mapped.append(file_backed_leaf(leaves[j], checkpoint, selected, maps))
-        except BaseException:
-            delete_arrays(mapped)
-            raise
+        mapped = file_backed_leaves([leaves[j] for j in named], checkpoint, selected)
         loaded = dict(zip(named, mapped, strict=True))
         return [loaded[j] if j in loaded else leaf.source for j, leaf in enumerate(leaves)]
     targets = []

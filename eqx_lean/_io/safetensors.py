@@ -247,31 +247,38 @@ def parse_index(index_path: Path, raw: bytes) -> dict[str, str]:
 
 
 class Maps:
-    """Read-only memory maps of a checkpoint's open files, made on first use (thread-safe).
+    """Memory maps of a checkpoint's open files, made on first use (thread-safe).
 
     **Arguments:**
 
     - `fds`: the open file descriptor of each file, by path; maps are made from these
-        descriptors, never by opening a path again.
+        descriptors, never by opening a path again (a map duplicates its descriptor, so it
+        outlives the checkpoint's own).
+    - `access`: `mmap.ACCESS_READ` (read-only, the default) or `mmap.ACCESS_COPY` (private
+        copy-on-write: writes into the map never reach the file).
     """
 
-    def __init__(self, fds: Mapping[Path, int]):
+    def __init__(self, fds: Mapping[Path, int], access: int = mmap.ACCESS_READ):
         self._fds = fds
+        self._access = access
         self._maps: dict[Path, mmap.mmap] = {}
         self._lock = threading.Lock()
 
     def _map(self, file: Path) -> mmap.mmap:
         with self._lock:
             if file not in self._maps:
-                self._maps[file] = mmap.mmap(self._fds[file], 0, access=mmap.ACCESS_READ)
+                self._maps[file] = mmap.mmap(self._fds[file], 0, access=self._access)
             return self._maps[file]
+
+    def region(self, file: Path, dtype: np.dtype, count: int, start: int) -> np.ndarray:
+        """`count` values of `dtype` from byte `start` of `file`, as a flat view of its map."""
+        return np.frombuffer(self._map(file), dtype, count, start)
 
     def view(self, tensor: Tensor) -> np.ndarray:
         if tensor.stop == tensor.start:
             return np.zeros(tensor.shape, tensor.dtype)
         count = math.prod(tensor.shape)
-        flat = np.frombuffer(self._map(tensor.file), tensor.dtype, count, tensor.start)
-        return flat.reshape(tensor.shape)
+        return self.region(tensor.file, tensor.dtype, count, tensor.start).reshape(tensor.shape)
 
     def release(self, tensor: Tensor) -> None:
         """Unmaps a tensor's pages from this process; they stay in the page cache.

@@ -303,11 +303,6 @@ def load_hf(
     The [`Mistral`][] model.
     """
     quant = quant_config(quantize)
-    if file_backed is True and quant is not None:
-        raise ValueError(
-            "`file_backed=True` makes arrays of the checkpoint's stored values, and `quantize` "
-            "makes new values from them: pass one of the two."
-        )
     if isinstance(path, eqx_lean.Checkpoint):
         return _load_opened(path, path.source, dtype, sharding, strict, quant, file_backed)
     path = os.fspath(path)
@@ -352,7 +347,9 @@ def _load_opened(
                 f"{config_file} ties the head to the embeddings but the checkpoint stores a "
                 "head: load it without `quantize` (then `eqx_lean.quant.quantize_linears`)."
             )
-        return load_quantized(checkpoint, like, _hf_name, quant, strict, layers, sharding)
+        return load_quantized(
+            checkpoint, like, _hf_name, quant, strict, layers, sharding, file_backed
+        )
     if not (config.tie_word_embeddings and stored_head):
         return eqx_lean.load_tensors(
             checkpoint,

@@ -64,10 +64,18 @@ def load_quantized(
     strict: bool,
     layers: int | None,
     sharding: Any,
+    file_backed: bool = False,
 ) -> Mistral:
     """`like` loaded with the decoder linears `config` chooses quantised as they stream (see
-    the module docstring)."""
+    the module docstring). (`file_backed=True` is refused by `load_tensors`, naming both.)"""
     _chosen_linears(like, config)  # the head and embeddings stay unquantised
     return eqx_lean.load_tensors(
-        checkpoint, like, name_of, sharding=sharding, layers=layers, strict=strict, quantize=config
+        checkpoint,
+        like,
+        name_of,
+        sharding=sharding,
+        layers=layers,
+        strict=strict,
+        quantize=config,
+        file_backed=file_backed,
     )
