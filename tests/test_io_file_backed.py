@@ -133,6 +133,20 @@ def test_file_backed_arrays_outlive_the_checkpoint_and_a_donation_leaves_the_fil
 
 
 @linux_only
+def test_a_save_over_the_checkpoint_leaves_file_backed_arrays_as_they_were(tmp_path):
+    old, new = model(seed=0), model(seed=1)
+    path = tmp_path / "ckpt"
+    eqx_lean.save_tensors(path, old, NAMES)
+    mapped = eqx_lean.load_tensors(path, like_of(old), NAMES, file_backed=True)
+    eqx_lean.save_tensors(path, new, NAMES)
+    for name in NAMES:
+        np.testing.assert_array_equal(np.asarray(mapped[name]), np.asarray(old[name]))
+    again = eqx_lean.load_tensors(path, like_of(new), NAMES, file_backed=True)
+    for name in NAMES:
+        np.testing.assert_array_equal(np.asarray(again[name]), np.asarray(new[name]))
+
+
+@linux_only
 def test_a_scalar_leaf_beside_a_stack_is_mapped_too(tmp_path):
     tree = {"w": model()["w"], "scale": jnp.asarray(0.5, jnp.bfloat16)}
     names = {"w": NAMES["w"], "scale": "model.scale"}
