@@ -25,6 +25,7 @@ The 1.1B checkpoints there: the Mistral shape of `docs/benchmarks.md`, random bf
 """
 
 import argparse
+import functools
 import json
 import mmap
 import os
@@ -33,6 +34,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import numpy as np
 
 
 SEQ = 16
@@ -48,7 +51,6 @@ def _rss_kib() -> dict[str, int]:
 
 
 def _tokens(vocab_size: int) -> list[int]:
-    import numpy as np
 
     return np.random.default_rng(0).integers(0, vocab_size, size=SEQ).tolist()
 
@@ -73,7 +75,6 @@ def eqx_worker(checkpoint: str, file_backed: bool, cache: str | None) -> dict:
     import equinox as eqx
     import jax
     import jax.numpy as jnp
-    import numpy as np
 
     import eqx_lean
     from eqx_lean.hf import load_hf
@@ -109,24 +110,36 @@ def torch_worker(checkpoint: str) -> dict:
     return _result((start, loaded, done), logits, nbytes, before)
 
 
-def copy_worker(checkpoint: str, repeats: int = 3) -> dict:
+def _copy_piece(target, source, piece: int, start: int) -> None:
+    np.copyto(target[start : start + piece], source[start : start + piece])
+
+
+def _timed_copy(file: Path, pool, piece: int = 16 * 2**20) -> tuple[int, float]:
+    """Bytes and seconds of copying `file` (freshly mapped) into fresh memory over `pool`."""
+
+    with open(file, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        source = np.frombuffer(m, np.uint8)
+        start = time.perf_counter()
+        target = np.empty_like(source)  # untouched pages: the copy faults each one in
+        pieces = range(0, source.nbytes, piece)
+        list(pool.map(functools.partial(_copy_piece, target, source, piece), pieces))
+        seconds = time.perf_counter() - start
+        del source
+        return target.nbytes, seconds
+
+
+def copy_worker(checkpoint: str, threads: int, repeats: int = 3) -> dict:
     """GB/s of copying the checkpoint's files (freshly mapped, page cache warm) into freshly
-    allocated memory, `repeats` times in one process: the first and the best."""
-    import numpy as np
+    allocated memory with `threads` threads, `repeats` times in one process: the first (a fresh
+    process's first large allocation, as a load's is) and the best."""
+    from concurrent.futures import ThreadPoolExecutor
 
     rates, total = [], 0
-    for _ in range(repeats):
-        total, seconds = 0, 0.0
-        for file in _weight_files(checkpoint):
-            with open(file, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-                source = np.frombuffer(m, np.uint8)
-                start = time.perf_counter()
-                target = np.empty_like(source)  # untouched pages: the copy faults each one in
-                np.copyto(target, source)
-                seconds += time.perf_counter() - start
-                total += source.nbytes
-                del source, target
-        rates.append(total / seconds / 1e9)
+    with ThreadPoolExecutor(threads) as pool:
+        for _ in range(repeats):
+            copies = [_timed_copy(file, pool) for file in _weight_files(checkpoint)]
+            total = sum(n for n, _ in copies)
+            rates.append(total / sum(t for _, t in copies) / 1e9)
     return {"bytes": total, "first": rates[0], "best": max(rates)}
 
 
@@ -153,7 +166,7 @@ def main() -> None:
     parser.add_argument("--eqx", required=True, help="the same weights, saved by eqx_lean")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--compilation-cache")
-    workers = ["transformers", "eqx_lean", "file_backed", "copy"]
+    workers = ["transformers", "eqx_lean", "file_backed", "copy1", "copy2"]
     parser.add_argument("--worker", choices=workers, help=argparse.SUPPRESS)
     args = parser.parse_args()
     cache = args.compilation_cache
@@ -162,7 +175,8 @@ def main() -> None:
             "transformers": lambda: torch_worker(args.hf),
             "eqx_lean": lambda: eqx_worker(args.hf, False, cache),
             "file_backed": lambda: eqx_worker(args.eqx, True, cache),
-            "copy": lambda: copy_worker(args.hf),
+            "copy1": lambda: copy_worker(args.hf, 1),
+            "copy2": lambda: copy_worker(args.hf, 2),
         }
         print(json.dumps(workers[args.worker]()))
         return
@@ -173,13 +187,14 @@ def main() -> None:
         for round_ in range(args.rounds):
             _warm(args.hf)
             _warm(args.eqx)
-            copy = _run(args, "copy")
-            print(
-                f"round {round_ + 1} copy of {copy['bytes'] / 2**30:.2f} GiB into fresh memory: "
-                f"{copy['best']:.2f} GB/s (best of 3 in one process; the first "
-                f"{copy['first']:.2f})",
-                flush=True,
-            )
+            for threads in (1, 2):
+                copy = _run(args, f"copy{threads}")
+                print(
+                    f"round {round_ + 1} copy of {copy['bytes'] / 2**30:.2f} GiB into fresh "
+                    f"memory, {threads} thread(s): first in its process {copy['first']:.2f} GB/s, "
+                    f"best of 3 {copy['best']:.2f} GB/s",
+                    flush=True,
+                )
             runs = [("transformers", None), ("eqx_lean", None), ("eqx_lean", cache_dir)]
             runs += [("file_backed", None), ("file_backed", cache_dir)]
             for worker, with_cache in runs:

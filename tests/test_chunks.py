@@ -97,6 +97,34 @@ def test_sharded_compiled_write_is_one_program_for_every_device(tmp_path):
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
 
 
+def test_host_buffers_allocated_in_threads_come_back_in_target_order():
+    # The host allocations run in a thread pool, one shard each; the buffers must still match
+    # their targets one for one (shape, dtype, sharding), be zeros, and be XLA's own memory.
+    device = jax.devices()[0]
+    mesh = jax.sharding.Mesh(np.array([device]), ("data",))
+    shardings = [
+        None,
+        jax.sharding.SingleDeviceSharding(device),
+        jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")),
+    ]
+    shapes = [(3, 5, 7), (9,), (4, 6), (2, 2, 2), (1,), (8, 3)]
+    dtypes = [jnp.bfloat16, jnp.float32, jnp.int8]
+    targets = [
+        target(shape, dtypes[j % 3], stacked=len(shape) == 3, sharding=shardings[j % 3])
+        for j, shape in enumerate(shapes)
+    ]
+    buffers = chunks.allocate_targets(targets, host_writes=True)
+    for j, (t, buffer) in enumerate(zip(targets, buffers, strict=True)):
+        assert buffer.shape == t.struct.shape and buffer.dtype == t.struct.dtype, j
+        assert buffer.committed == (t.sharding is not None), j
+        if t.sharding is not None:
+            assert buffer.sharding.is_equivalent_to(t.sharding, buffer.ndim), j
+        np.testing.assert_array_equal(np.asarray(buffer), np.zeros(t.struct.shape, t.struct.dtype))
+        before = buffer.unsafe_buffer_pointer()
+        updated = jax.jit(lambda x: x + 1, donate_argnums=0)(buffer)
+        assert updated.unsafe_buffer_pointer() == before, f"target {j}: donation copied"
+
+
 @pytest.mark.parametrize("host_writes", [True, False])
 def test_zero_size_buffers_are_allocated_and_left_alone(host_writes):
     targets = [target((3, 0, 4)), target((2, 5), stacked=False)]

@@ -15,6 +15,7 @@ ways:
 """
 
 import concurrent.futures
+import itertools
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -230,30 +231,59 @@ def _on_host(target: Target, host_writes: bool | None) -> bool:
     return enabled and _platform.Tricks.for_platform(platform).host_writes
 
 
-def _host_zeros(target: Target) -> Array:
-    """A zero buffer in memory XLA owns (`_platform.host_zeros`): nothing is compiled."""
+def _host_zeros(targets: Sequence[Target], pool: concurrent.futures.Executor) -> list[Array]:
+    """Zero buffers in memory XLA owns (`_platform.host_zeros`): nothing is compiled.
+
+    Each shard is its own `host_zeros`, spread over `pool`'s threads: a fresh buffer's first
+    touch (the kernel's page faults, inside PJRT's copy of the zeros) is most of a CPU load's
+    time, and two threads fault 1.7-1.9x as fast as one on the 2-core machine
+    (`docs/benchmarks.md`, "The copying load against a plain copy").
+    """
+    specs = [_shard_specs(target) for target in targets]
+    made = iter(list(pool.map(lambda spec: _platform.host_zeros(*spec), itertools.chain(*specs))))
+    buffers = []
+    for target, shards in zip(targets, specs, strict=True):
+        pieces = [next(made) for _ in shards]
+        if target.sharding is None:
+            buffers.append(pieces[0])
+        else:
+            shape = target.struct.shape
+            buffers.append(jax.make_array_from_single_device_arrays(shape, target.sharding, pieces))
+    return buffers
+
+
+def _shard_specs(target: Target) -> list[tuple[tuple[int, ...], np.dtype, Any]]:
+    """`host_zeros`' arguments for each of a target's shards (one, uncommitted, if unsharded)."""
     dtype = np.dtype(target.struct.dtype)
     if target.sharding is None:
-        return _platform.host_zeros(target.struct.shape, dtype, None)
+        return [(target.struct.shape, dtype, None)]
     shape = tuple(target.sharding.shard_shape(target.struct.shape))
     devices = target.sharding.addressable_devices_indices_map(target.struct.shape)
-    shards = [_platform.host_zeros(shape, dtype, d) for d in devices]
-    return jax.make_array_from_single_device_arrays(target.struct.shape, target.sharding, shards)
+    return [(shape, dtype, device) for device in devices]
+
+
+def _host_threads() -> int:
+    """Threads of the host copies and allocations: the cores, at most 4."""
+    return max(1, min(4, os.cpu_count() or 1))
 
 
 def allocate_targets(targets: Sequence[Target], host_writes: bool | None = None) -> list[Array]:
     """Zero-filled buffers for `targets`, each with its (full) sharding.
 
-    Where host writes apply (CPU), each buffer is copied from `np.zeros`, which compiles
-    nothing; elsewhere one computation per placement (a mesh, a sharding, the default device)
-    creates them, each device allocating only its shards.
+    Where host writes apply (CPU), each buffer is copied from `np.zeros` (in threads, one
+    shard each), which compiles nothing; elsewhere one computation per placement (a mesh, a
+    sharding, the default device) creates them, each device allocating only its shards.
     """
     buffers: list[Any] = [None] * len(targets)
+    on_host = [j for j, target in enumerate(targets) if _on_host(target, host_writes)]
+    if on_host:
+        with concurrent.futures.ThreadPoolExecutor(_host_threads()) as pool:
+            made = _host_zeros([targets[j] for j in on_host], pool)
+        for j, buffer in zip(on_host, made, strict=True):
+            buffers[j] = buffer
     by_placement: dict[Any, list[int]] = {}
     for j, target in enumerate(targets):
-        if _on_host(target, host_writes):
-            buffers[j] = _host_zeros(target)
-        else:
+        if buffers[j] is None:
             sharding = target.sharding
             key = sharding.mesh if isinstance(sharding, NamedSharding) else sharding
             by_placement.setdefault(key, []).append(j)
@@ -347,9 +377,8 @@ def fill_chunks(
     Compiled writes (`chunk_writes.fill_compiled`) stage a call's values while the previous call
     runs, so at most two calls' values are alive at once.
     """
-    workers = max(1, min(4, os.cpu_count() or 1))
     try:
-        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        with concurrent.futures.ThreadPoolExecutor(_host_threads()) as pool:
             for group, write in zip(groups, compiled, strict=True):
                 views = None
                 if group.host:
