@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eqx_lean._core import chunk_writes, chunks, memory_analysis
+from eqx_lean._core import chunk_plan, chunk_writes, chunks, memory_analysis
 
 
 REPO = Path(__file__).resolve().parent.parent
@@ -21,7 +21,7 @@ MIB = 2**20
 
 def target(shape, dtype=jnp.bfloat16, stacked=True, source=np.float32, sharding=None):
     struct = jax.ShapeDtypeStruct(shape, dtype)
-    return chunks.Target(struct, sharding, stacked, np.dtype(source))
+    return chunk_plan.Target(struct, sharding, stacked, np.dtype(source))
 
 
 # Mistral-7B-shaped: one block's leaves (stacked over 32 layers) and the embedding and head.
@@ -36,7 +36,7 @@ def test_calls_cover_every_row_within_the_chunk_budget():
     for group in (stacked, plain):
         staged = sum(p.staged_bytes() for p in group.parts)
         one_row = sum(
-            int(np.prod(p.local[p.row_axis + 1 :])) * 4 + chunks.ALIGN for p in group.parts
+            int(np.prod(p.local[p.row_axis + 1 :])) * 4 + chunk_writes.ALIGN for p in group.parts
         )
         assert staged <= 4 * MIB + one_row, (staged, one_row)
         for part in group.parts:
@@ -69,13 +69,13 @@ def test_sharded_compiled_write_is_one_program_for_every_device(tmp_path):
             """
             import jax, jax.numpy as jnp, numpy as np
             from jax.sharding import NamedSharding, PartitionSpec as P
-            from eqx_lean._core import chunks, memory_analysis
+            from eqx_lean._core import chunk_plan, chunks, memory_analysis
 
             mesh = jax.make_mesh((8,), ("data",))
             def target(shape, spec, stacked=True):
                 struct = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
                 sharding = NamedSharding(mesh, spec)
-                return chunks.Target(struct, sharding, stacked, np.dtype(np.float32))
+                return chunk_plan.Target(struct, sharding, stacked, np.dtype(np.float32))
             targets = [target((32, 14336, 4096), P(None, "data")),
                        target((32, 4096, 14336), P(None, None, "data")),
                        target((32, 4096), P()),

@@ -12,7 +12,7 @@ from jax.sharding import SingleDeviceSharding
 
 import eqx_lean
 import eqx_lean._io.load
-from eqx_lean._core import chunks as core_chunks
+from eqx_lean._core import chunk_plan, chunks as core_chunks
 from eqx_lean.memory import target
 
 
@@ -143,7 +143,7 @@ def test_plan_load_on_cpu_with_compiled_writes(saved, monkeypatch):
     # The same write, planned and compiled here: one group, one call per layer.
     device = SingleDeviceSharding(jax.devices("cpu")[0])
     targets = [
-        core_chunks.Target(
+        chunk_plan.Target(
             jax.ShapeDtypeStruct((4, *shape), jnp.bfloat16), device, True, np.dtype("float32")
         )
         for shape in [(128,), (128, 64)]  # `like`'s leaf order: bias, weight

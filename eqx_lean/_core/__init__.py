@@ -18,7 +18,9 @@ scripts in `benchmarks/` may use it. It is not public API and may change between
 - `chunks`: the loaders' engine: buffers filled from host data in bounded pieces
   (`plan_chunks`, `allocate_targets`, `compile_chunk_writes`, `fill_chunks`; `lower_chunk_write`
   for inspection), by host writes on CPU or compiled chunk writes elsewhere (`HOST_WRITES`
-  switches the first off); `chunk_writes`: those compiled writes (`shard_map` on a mesh).
+  switches the first off); `chunk_plan`: the plan's types (`Target`, `ChunkGroup`, the
+  `Reader` and `Releaser` a fill takes); `chunk_writes`: those compiled writes (`shard_map` on
+  a mesh).
 
 Platform tricks live in `eqx_lean._platform` (re-exported here: `Tricks`, `lower`), private JAX
 in `eqx_lean._compat`.

@@ -7,7 +7,7 @@ offsets: one program for every device. See `eqx_lean._core.chunks` for the plan 
 """
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -16,11 +16,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import Array
 
 from .. import _platform
+from .chunk_plan import ChunkGroup, Reader, Releaser
 from .writes import WriteCache, delete_arrays, update_slice
-
-
-if TYPE_CHECKING:
-    from .chunks import ChunkGroup, Reader, Releaser
 
 
 ALIGN = _platform.ZERO_COPY_ALIGNMENT  # host arrays so aligned are used in place, not copied
@@ -44,18 +41,18 @@ def _write_fn(stacked: bool, bit_writes: bool) -> Callable[..., tuple[Array, ...
 _COMPILED = WriteCache(max_entries=32)
 
 
-def _tricks(group: "ChunkGroup") -> _platform.Tricks:
+def _tricks(group: ChunkGroup) -> _platform.Tricks:
     return _platform.Tricks.for_platform(_platform.platform_of([b.sharding for b in group.buffers]))
 
 
-def _offsets_struct(group: "ChunkGroup") -> jax.ShapeDtypeStruct:
+def _offsets_struct(group: ChunkGroup) -> jax.ShapeDtypeStruct:
     sharding = None if group.mesh is None else NamedSharding(group.mesh, PartitionSpec())
     if group.mesh is None and group.buffers[0].sharding is not None:
         sharding = group.buffers[0].sharding
     return jax.ShapeDtypeStruct((1 + len(group.parts),), jnp.int32, sharding=sharding)
 
 
-def lower_chunk_write(group: "ChunkGroup") -> jax.stages.Lowered:
+def lower_chunk_write(group: ChunkGroup) -> jax.stages.Lowered:
     """The group's write, lowered (for inspection: `memory_analysis()` of its compilation)."""
     tricks = _tricks(group)
     write = _write_fn(group.stacked, tricks.bit_writes)
@@ -74,7 +71,7 @@ def lower_chunk_write(group: "ChunkGroup") -> jax.stages.Lowered:
     return jitted.lower(group.buffers, values, _offsets_struct(group))
 
 
-def _compile_key(group: "ChunkGroup") -> Any:
+def _compile_key(group: ChunkGroup) -> Any:
     def struct_key(s: jax.ShapeDtypeStruct) -> Any:
         return (s.shape, str(s.dtype), s.sharding)
 
@@ -87,7 +84,7 @@ def _compile_key(group: "ChunkGroup") -> Any:
     )
 
 
-def compile_group(group: "ChunkGroup") -> jax.stages.Compiled:
+def compile_group(group: ChunkGroup) -> jax.stages.Compiled:
     key = _compile_key(group)
     program = _COMPILED.get(key)
     if program is None:
@@ -97,7 +94,7 @@ def compile_group(group: "ChunkGroup") -> jax.stages.Compiled:
     return program
 
 
-def compile_chunk_writes(groups: Sequence["ChunkGroup"]) -> list[jax.stages.Compiled | None]:
+def compile_chunk_writes(groups: Sequence[ChunkGroup]) -> list[jax.stages.Compiled | None]:
     """Each group's compiled write (None for host writes), reused from earlier loads.
 
     Call it before allocating the buffers: the compiler's transient memory then never adds to
@@ -155,7 +152,7 @@ def _aligned_copy(value: np.ndarray) -> np.ndarray:
     return aligned
 
 
-def _call_offsets(group: "ChunkGroup", local_layer: int, call: int) -> np.ndarray:
+def _call_offsets(group: ChunkGroup, local_layer: int, call: int) -> np.ndarray:
     offsets = [local_layer]
     for part in group.parts:
         if not part.rows:
@@ -168,10 +165,10 @@ def _call_offsets(group: "ChunkGroup", local_layer: int, call: int) -> np.ndarra
 
 
 def _values(
-    group: "ChunkGroup",
+    group: ChunkGroup,
     offsets: np.ndarray,
     local_layer: int,
-    read: "Reader",
+    read: Reader,
     staging: _Staging,
     slot: int,
 ) -> tuple[tuple[Array, ...], set[int | None]]:
@@ -208,11 +205,11 @@ def _values(
 
 
 def fill_compiled(
-    group: "ChunkGroup",
+    group: ChunkGroup,
     write: jax.stages.Compiled,
     buffers: list[Array],
-    read: "Reader",
-    release: "Releaser",
+    read: Reader,
+    release: Releaser,
 ) -> None:
     """Fills one group by calls of its compiled write, each a few rows of every buffer."""
     members = [p.target for p in group.parts]

@@ -18,17 +18,25 @@ import concurrent.futures
 import itertools
 import math
 import os
-from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, Sharding
+from jax.sharding import NamedSharding
 from jaxtyping import Array
 
 from .. import _platform
+from .chunk_plan import (
+    ChunkGroup,
+    ChunkPart,
+    Reader,
+    Releaser,
+    Target,
+    bounded,
+    distinct_shards,
+)
 from .chunk_writes import (
-    ALIGN,
     compile_chunk_writes as compile_chunk_writes,
     compile_group,
     fill_compiled,
@@ -43,86 +51,12 @@ NumPy. `False` compiles chunk writes everywhere, as on GPU and TPU: a documented
 for tests and benchmarks of that path on CPU."""
 
 
-class Target(NamedTuple):
-    """One buffer to fill from host data.
-
-    **Attributes:**
-
-    - `struct`: the buffer's full shape and dtype (a stacked buffer has the layer axis first).
-    - `sharding`: its full sharding (`None`: the default device, uncommitted).
-    - `stacked`: whether the leading axis is the layer axis, filled one layer at a time.
-    - `source_dtype`: the dtype of the host values, cast to `struct.dtype` by the write.
-    """
-
-    struct: jax.ShapeDtypeStruct
-    sharding: Sharding | None
-    stacked: bool
-    source_dtype: np.dtype
-
-
-# `read(target, layer, index)`: the host values of `target` at `index` (in the target's axis
-# order; for a stacked target, an index into one layer, whose global index is `layer`).
-Reader = Callable[[int, int | None, tuple[slice, ...]], np.ndarray]
-# `release(targets, layer)`: the reader will not be asked for that layer of those targets again.
-Releaser = Callable[[Sequence[int], int | None], None]
-
-
-def bounded(index: Any, shape: tuple[int, ...]) -> tuple[slice, ...]:
-    """`index` (a tuple of slices, possibly short or open) with explicit bounds on every axis."""
-    index = tuple(index or ()) + (slice(None),) * (len(shape) - len(index or ()))
-    return tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape, strict=True))
-
-
-class ChunkPart(NamedTuple):
-    """One target inside a group, as its compiled write sees it."""
-
-    target: int
-    stacked: bool
-    regions: tuple[tuple[Any, tuple[slice, ...]], ...]  # (device, its shard of the buffer)
-    local: tuple[int, ...]  # every device's shard shape
-    rows: int  # rows written per call along `row_axis` (0: no row axis, the whole shard)
-    value: jax.ShapeDtypeStruct  # the global value of one call, with its sharding
-
-    @property
-    def row_axis(self) -> int:
-        return 1 if self.stacked else 0
-
-    def staged_bytes(self) -> int:
-        """The most host bytes one call stages for this part (alignment padding included)."""
-        distinct = _distinct(self.regions)
-        itemsize = np.dtype(self.value.dtype).itemsize
-        per_shard = (
-            math.prod(self.value.sharding.shard_shape(self.value.shape))
-            if isinstance(self.value.sharding, NamedSharding)
-            else math.prod(self.value.shape)
-        )
-        return distinct * (per_shard * itemsize + ALIGN)
-
-
-class ChunkGroup(NamedTuple):
-    stacked: bool
-    mesh: Any  # a `Mesh` for named shardings, else None
-    parts: tuple[ChunkPart, ...]
-    calls: int  # calls per (local) layer
-    buffers: tuple[jax.ShapeDtypeStruct, ...]  # with their shardings, for lowering
-    host: bool  # filled by host writes (CPU), not by a compiled write
-
-    @property
-    def local_layers(self) -> int:
-        return self.parts[0].local[0] if self.stacked else 1
-
-
 def _regions(target: Target) -> tuple[tuple[Any, tuple[slice, ...]], ...]:
     shape = target.struct.shape
     if target.sharding is None:
         return ((None, bounded((), shape)),)
     indices = target.sharding.addressable_devices_indices_map(shape)
     return tuple((device, bounded(index, shape)) for device, index in indices.items())
-
-
-def _distinct(regions: Sequence[tuple[Any, tuple[slice, ...]]]) -> int:
-    """How many distinct shards there are (replicas hold the same one)."""
-    return len({tuple((s.start, s.stop) for s in region) for _, region in regions})
 
 
 def _local_shape(target: Target) -> tuple[int, ...]:
@@ -163,7 +97,7 @@ def _plan_group(
     row_bytes, row_counts = [], []
     for j in members:
         local = _local_shape(targets[j])
-        distinct = _distinct(_regions(targets[j]))
+        distinct = distinct_shards(_regions(targets[j]))
         has_rows = len(local) > row_axis
         rows = local[row_axis] if has_rows else 1
         rest = math.prod(local[row_axis + 1 :]) if has_rows else 1

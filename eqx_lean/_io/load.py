@@ -19,10 +19,9 @@ from .._core import (
     delete_arrays,
     resolve_dtypes,
 )
+from .._core.chunk_plan import Target
 from .._core.chunks import (
-    Target,
     allocate_targets,
-    bounded as bounded,
     compile_chunk_writes,
     fill_chunks,
     plan_chunks,

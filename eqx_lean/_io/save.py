@@ -15,9 +15,9 @@ from jax import lax
 from jaxtyping import Array
 
 from .._core import Layout, as_bits, is_floating
+from .._core.chunk_plan import bounded
 from . import directory, fs, owned
 from .carry import OtherWeights
-from .load import bounded
 from .names import check_transpose_rank, layer_count, require_all_stacked, resolve_names
 from .safetensors import ALIGN, DTYPE_CODES
 
