@@ -2,19 +2,28 @@
 
 A compiled write must be reused exactly when the traced program is the same: changed Python
 state gives new values (bitwise those of `filter_vmap`), an identical fresh function compiles
-nothing, and no cache keeps the user's function or arrays alive.
+nothing, and no cache keeps the user's function or arrays alive. The sharding checks need two
+devices: they run in a fresh process with two forced CPU devices (`python tests/test_core.py
+sharding-builds`), which prints what the test below reads.
 """
 
 import dataclasses
 import gc
+import json
+import logging
+import os
+import subprocess
+import sys
 import threading
 import weakref
+from pathlib import Path
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 from jaxtyping import Array
 
 import eqx_lean
@@ -184,12 +193,40 @@ def test_derivative_rules_are_left_out_of_the_key_and_the_forward_program_is_not
     assert relu != _core.program.jaxpr_key(jax.make_jaxpr(jax.nn.relu6)(1.0).jaxpr)
 
 
-def test_a_different_dtype_or_sharding_compiles_again(compiles):
+def test_a_different_dtype_compiles_again(compiles):
     keys = keys_of(TINY.num_layers)
     eqx_lean.build_stacked(lambda k: Block(TINY, key=k), keys, jnp.bfloat16)
     before = compiles.count
     eqx_lean.build_stacked(lambda k: Block(TINY, key=k), keys, jnp.float16)
     assert compiles.count > before
+
+
+# Builds of one layer function under shardings of the same shapes and dtype, in order, on two
+# forced CPU devices (a fresh process: the device count is fixed when JAX starts).
+SHARDING_BUILDS = ["split", "split", "replicated", "device-0", "device-1", "device-1"]
+
+
+def test_a_different_sharding_compiles_again_and_the_same_does_not():
+    """A compiled write is reused for the same sharding only: splitting the rows over both
+    devices, replicating them, or placing them on either device compiles a write of its own."""
+    repo = str(Path(eqx_lean.__file__).resolve().parents[1])
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    env["PYTHONPATH"] = os.pathsep.join([repo, *filter(None, [env.get("PYTHONPATH")])])
+    env["JAX_PLATFORMS"] = "cpu"
+    command = [sys.executable, __file__, "sharding-builds"]
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(_MARKER)]
+    assert lines, f"no results printed; stdout ended with:\n{proc.stdout[-2000:]}"
+    builds = json.loads(lines[-1][len(_MARKER) :])
+    assert [b["sharding"] for b in builds] == SHARDING_BUILDS
+    for build in builds:
+        # Bitwise `filter_vmap`'s values, laid out as asked: a write compiled for another
+        # sharding, if reused, would fail here (or when called).
+        assert build["bitwise"] and build["placed"], build
+    # The layer is one leaf, so one write: compiled at each sharding's first build, not again.
+    compiled = [b["write_compilations"] for b in builds]
+    assert compiled == [1, 0, 1, 1, 1, 0], builds
 
 
 @pytest.mark.parametrize("partitionable", [False, True])
@@ -370,3 +407,66 @@ def test_a_value_error_from_make_layer_is_not_turned_into_a_tracing_error():
     with pytest.raises(ValueError) as info:
         eqx_lean.build_stacked(make, keys_of(2))
     assert "must be traceable" not in str(info.value)
+
+
+# --- run in a fresh process with two CPU devices (`python tests/test_core.py sharding-builds`) --
+
+_MARKER = "EQX_LEAN_RESULTS:"
+
+
+class _WriteCompilations(logging.Handler):
+    """Counts the XLA compilations of `build_stacked`'s writes that `jax.log_compiles` logs."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.getMessage().startswith("Compiling jit(write_layers)"):
+            self.count += 1
+
+
+def _sharding_builds() -> list[dict]:
+    devices = jax.devices()
+    assert len(devices) == 2, devices
+    mesh = jax.make_mesh((2,), ("data",), devices=devices)
+
+    def make(key):
+        return jax.random.normal(key, (8, 8))
+
+    keys = keys_of(3)
+    expected = np.asarray(eqx.filter_vmap(make)(keys))
+    # Each per-layer sharding, and the sharding its stack (layers first) must have.
+    shardings = {
+        "split": (NamedSharding(mesh, P("data")), NamedSharding(mesh, P(None, "data"))),
+        "replicated": (NamedSharding(mesh, P()), NamedSharding(mesh, P())),
+        "device-0": (SingleDeviceSharding(devices[0]),) * 2,
+        "device-1": (SingleDeviceSharding(devices[1]),) * 2,
+    }
+    counter = _WriteCompilations()
+    logging.getLogger("jax").addHandler(counter)
+    builds = []
+    for name in SHARDING_BUILDS:
+        layer, stacked = shardings[name]
+        before = counter.count
+        with jax.log_compiles():
+            built = jax.block_until_ready(eqx_lean.build_stacked(make, keys, sharding=layer))
+        placed = built.sharding.devices_indices_map(built.shape)
+        builds.append(
+            {
+                "sharding": name,
+                "write_compilations": counter.count - before,
+                # By value (`bitwise` compares types, which name the sharding on Explicit axes).
+                "bitwise": built.dtype == expected.dtype
+                and np.array_equal(np.asarray(built).view(np.uint8), expected.view(np.uint8)),
+                "placed": placed == stacked.devices_indices_map(built.shape),
+            }
+        )
+    return builds
+
+
+if __name__ == "__main__":
+    jax.config.update("jax_numpy_dtype_promotion", "strict")
+    jax.config.update("jax_numpy_rank_promotion", "raise")
+    assert sys.argv[1:] == ["sharding-builds"], sys.argv
+    print(_MARKER + json.dumps(_sharding_builds()), flush=True)
