@@ -28,14 +28,13 @@ import argparse
 import functools
 import json
 import mmap
-import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+from _worker_runs import run_json
 
 
 SEQ = 16
@@ -154,10 +153,7 @@ def _run(args: argparse.Namespace, worker: str, cache: str | None = None) -> dic
     command = [sys.executable, __file__, "--hf", args.hf, "--eqx", args.eqx, "--worker", worker]
     if cache:
         command += ["--compilation-cache", cache]
-    done = subprocess.run(command, capture_output=True, text=True, env=os.environ)
-    if done.returncode:
-        raise SystemExit(f"{worker} failed:\n{done.stderr[-4000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_json(command)
 
 
 def main() -> None:

@@ -32,9 +32,10 @@ tokens, `P` projection weights, `H` the hidden size and `V` the vocabulary.
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
+
+from _worker_runs import run_json
 
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -164,10 +165,7 @@ def mean(values: list[float]) -> float:
 def _run(args: argparse.Namespace, worker: str) -> dict:
     command = [sys.executable, __file__, "--checkpoint", args.checkpoint, "--worker", worker]
     command += ["--seq", str(args.seq), "--steps", str(args.steps)]
-    done = subprocess.run(command, capture_output=True, text=True, env=os.environ)
-    if done.returncode:
-        raise SystemExit(f"{worker} run failed:\n{done.stderr[-4000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_json(command)
 
 
 def main() -> None:

@@ -191,9 +191,8 @@ def _shard_specs(target: Target) -> list[tuple[tuple[int, ...], np.dtype, Any]]:
     dtype = np.dtype(target.struct.dtype)
     if target.sharding is None:
         return [(target.struct.shape, dtype, None)]
-    shape = tuple(target.sharding.shard_shape(target.struct.shape))
     devices = target.sharding.addressable_devices_indices_map(target.struct.shape)
-    return [(shape, dtype, device) for device in devices]
+    return [(_local_shape(target), dtype, device) for device in devices]
 
 
 def _host_threads() -> int:
