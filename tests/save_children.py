@@ -2,6 +2,7 @@
 
 Usage: `python tests/save_children.py COMMAND PATH [...]`, with COMMAND one of
 
+- `save PATH SAVER`: saves saver SAVER's model to PATH;
 - `die PATH`: saves to PATH and is killed (SIGKILL) once the new weights are written, leaving
   its new directory behind;
 - `pause PATH`: saves to PATH, prints `paused <its new directory>` once the new weights are
@@ -130,5 +131,7 @@ if __name__ == "__main__":
     command, *arguments = sys.argv[1:]
     if command == "race":
         race(arguments[0], int(arguments[1]), int(arguments[2]))
+    elif command == "save":
+        save(arguments[0], int(arguments[1]))
     else:
         {"die": die, "pause": pause}[command](*arguments)

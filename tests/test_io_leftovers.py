@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,7 @@ from test_io_save import (
 )
 
 import eqx_lean
-from eqx_lean._io import fs
+from eqx_lean._io import directory, fs
 from eqx_lean._io.leftovers import Leftovers
 
 
@@ -130,6 +131,83 @@ def test_a_save_whose_new_directory_is_taken_by_remove_leftovers_starts_again(tm
     assert leftovers(ckpt) == []
 
 
+def held_when_swapped_out(ckpt: Path) -> tuple[list[bool], Callable]:
+    """A hook recording, at each exchange a save makes, whether a probe for dead saves finds
+    the directory just swapped out (now under the save's temporary name) held by a save."""
+    seen = []
+
+    def check(when, op, paths):
+        if (when, op) == ("after", "exchange"):
+            swapped_out = Path(paths[0])
+            seen.append(eqx_lean.remove_leftovers(ckpt).skipped_locked == [swapped_out])
+
+    return seen, check
+
+
+def test_a_checkpoint_made_after_a_save_s_lock_is_locked_before_it_is_swapped_out(
+    tmp_path, monkeypatch
+):
+    """A first save finds the path missing when it locks what it will swap out; before it
+    lists the path, another process's first save puts a checkpoint there and ends. The save
+    must lock that checkpoint (and list it) before it swaps it out: else, swapped out, it would
+    lie unlocked under the save's temporary name, and a probe would take it for a dead save's
+    directory (and `remove_leftovers` delete it).
+
+    The seam `directory._lock_occupant` is wrapped to run the other save, in a subprocess,
+    just after this save's first lock attempt."""
+    ckpt = tmp_path / "ckpt"
+    real = directory._lock_occupant
+    other_saves = []
+
+    def then_another_save(path, locks):
+        occupant = real(path, locks)
+        if not other_saves:
+            other_saves.append(
+                subprocess.run(
+                    [sys.executable, str(CHILDREN), "save", str(ckpt), "7"],
+                    env=ENV,
+                    capture_output=True,
+                    text=True,
+                    timeout=120,
+                )
+            )
+        return occupant
+
+    monkeypatch.setattr(directory, "_lock_occupant", then_another_save)
+    seen, check = held_when_swapped_out(ckpt)
+    with fs.hooked(check), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        save(ckpt, stacked(3, 4))
+    assert other_saves[0].returncode == 0, other_saves[0].stderr
+    assert seen == [True]  # one exchange, with the other save's checkpoint, held
+    assert dead_save_warnings(caught) == []
+    assert leftovers(ckpt) == []
+    assert_tensors_equal(read_checkpoint(ckpt), tensors_of(stacked(3, 4)))  # the last swap won
+    assert json.loads((ckpt / "saver.json").read_text()) == {"saver": 7}  # carried over
+
+
+def test_a_save_locks_what_it_swaps_out_while_another_save_holds_it(tmp_path):
+    """Another save holding the current checkpoint (here: this process, with a save's shared
+    lock) neither delays a save nor stops it from holding that checkpoint itself until it has
+    deleted it: once the other lets go, a probe must still find it held."""
+    ckpt = tmp_path / "ckpt"
+    save(ckpt)
+    other = fs.lock(ckpt, shared=True)
+    assert other is not None
+    seen = []
+
+    def let_go_then_check(when, op, paths):
+        if (when, op) == ("after", "exchange"):
+            os.close(other)
+            seen.append(eqx_lean.remove_leftovers(ckpt).skipped_locked == [Path(paths[0])])
+
+    with fs.hooked(let_go_then_check):
+        save(ckpt, stacked(2, 5))
+    assert seen == [True]
+    assert leftovers(ckpt) == []
+    assert_tensors_equal(read_checkpoint(ckpt), tensors_of(stacked(2, 5)))
+
+
 # --------------------------------------------------------------------------------------------
 # An old checkpoint left aside (no atomic exchange)
 
@@ -199,19 +277,30 @@ def test_remove_leftovers_refuses_a_bytes_path(tmp_path):
 # Concurrent first saves
 
 
-def test_concurrent_first_saves_each_end_with_one_complete_checkpoint(tmp_path):
-    """Three processes save to a path that does not exist yet, ten rounds: in odd rounds all
-    three reach their swap together (two find the path made by the first, and exchange with
-    it), in even rounds they start together. Every save succeeds (the last swap wins), the
-    path holds one saver's complete checkpoint, nothing is left beside it, and no save takes
-    another's directory for a dead save's."""
-    racing = child("race", str(tmp_path), "3", "10", stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    stdout, stderr = racing.communicate(timeout=300)
+@pytest.mark.parametrize(
+    "savers, rounds",
+    [(3, 10), (6, 40)],
+)
+def test_concurrent_first_saves_each_end_with_one_complete_checkpoint(tmp_path, savers, rounds):
+    """SAVERS processes save to a path that does not exist yet, ROUNDS rounds: in odd rounds
+    all reach their swap together (all but one find the path made by the first, and exchange
+    with it), in even rounds they start together. Every save succeeds (the last swap wins),
+    the path holds one saver's complete checkpoint, nothing is left beside it, and no save
+    takes another's directory for a dead save's."""
+    racing = child(
+        "race",
+        str(tmp_path),
+        str(savers),
+        str(rounds),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    stdout, stderr = racing.communicate(timeout=600)
     assert racing.returncode == 0, stderr
-    rounds = [json.loads(line) for line in stdout.splitlines()]
-    assert len(rounds) == 10, stderr
+    reports = [json.loads(line) for line in stdout.splitlines()]
+    assert len(reports) == rounds, stderr
     assert "Warning" not in stderr, stderr
-    for report in rounds:
-        assert report["exits"] == [0, 0, 0], (report, stderr)
-        assert report["saver"] in (0, 1, 2), report
+    for report in reports:
+        assert report["exits"] == [0] * savers, (report, stderr)
+        assert report["saver"] in range(savers), report
         assert report["beside"] == [], report

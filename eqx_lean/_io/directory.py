@@ -33,9 +33,12 @@ from .owned import Owner
 # Listings of the target after its first copy, at most, before a save swaps: each copies what
 # appeared or changed since the last one. A file appended to without pause never settles.
 RELISTS = 5
-# Swaps tried, at most, when the target appears or vanishes just before one.
-SWAP_TRIES = 3
-# Seconds a save waits, at most, for another save to release the directory it will swap out.
+# Swaps tried, at most, when the target is made, replaced or deleted just before one. Each try
+# lost means another process changed the target meanwhile (another save swapped, say), so
+# saves as a whole go on; a save racing more than this many others fails, saying so.
+SWAP_TRIES = 8
+# Seconds a save waits, at most, for an exclusive lock on the directory it will swap out to go
+# (a leftover probe's, held a moment) before it goes on without its own.
 LOCK_WAIT = 5.0
 
 
@@ -295,25 +298,39 @@ def _settle(target: Target, carrier: carry.Carrier) -> carry.Listing | None:
     return listing
 
 
-def _lock_occupant(path: Path, locks: contextlib.ExitStack) -> None:
-    """Locks the directory at `path` until the save ends, so that once swapped out it is never
-    taken for a dead save's leftover; never fails.
+def _lock_occupant(path: Path, locks: contextlib.ExitStack) -> tuple[int, int] | None:
+    """Takes a shared lock, held until the save ends, on the directory at `path`, so that once
+    swapped out it is never taken for a dead save's leftover.
 
-    Another save may hold it: one whose new directory it is, finishing (deleting its own old
-    checkpoint). Waiting for it (`LOCK_WAIT` seconds at most) is short, and cannot deadlock:
-    a save waits only for a save that swapped before it.
+    Other saves may hold it too (shared locks do not exclude each other). Only a probe for
+    leftovers (a moment) or a foreign process holds an exclusive one: after `LOCK_WAIT`
+    seconds the save goes on without the lock, which costs at most a warning about a leftover
+    that is not one.
+
+    **Returns:**
+
+    The identity (device, inode) of the directory it dealt with; `None` if `path` is missing.
+
+    A test seam: `test_io_leftovers` wraps it to run another save just after it.
     """
     deadline = time.monotonic() + LOCK_WAIT
     while True:
+        occupant = _identity(path)
+        if occupant is None:
+            return None
         try:
-            fd = fs.lock(path)
+            fd = fs.lock(path, shared=True)
         except OSError:
-            return
+            return occupant
         if fd is not None:
-            locks.callback(os.close, fd)
-            return
-        if not os.path.lexists(path) or time.monotonic() > deadline:
-            return
+            locked = os.fstat(fd)
+            if (locked.st_dev, locked.st_ino) == occupant:
+                locks.callback(os.close, fd)
+                return occupant
+            os.close(fd)  # another directory took the name meanwhile: lock that one
+            continue
+        if time.monotonic() > deadline:
+            return _identity(path)
         time.sleep(0.005)
 
 
@@ -321,11 +338,19 @@ def _swap(
     target: Target, carrier: carry.Carrier, aside: Path, locks: contextlib.ExitStack
 ) -> Path | None:
     """Brings the copy up to date, flushes it and swaps it in; returns where the old
-    checkpoint then lies (`None` if there was none)."""
+    checkpoint then lies (`None` if there was none).
+
+    It swaps out only the directory it locked before its last listing: if another save
+    swapped a directory in (or a first save made one) meanwhile, it locks that one and lists
+    again, so it carries over what that one holds, and never leaves a directory it swapped out
+    unlocked for a third save to take for a dead save's.
+    """
     path, new = target.path, carrier.new
     for _ in range(SWAP_TRIES):
-        _lock_occupant(path, locks)  # before the last listing: a wait adds nothing unlisted
+        occupant = _lock_occupant(path, locks)  # before the last listing, as a wait may be
         listing = _settle(target, carrier)
+        if _identity(path) != occupant:
+            continue  # replaced, made or deleted since it was locked: lock and list again
         mode = listing.mode if listing is not None else target.mode if target.exists else None
         carrier.finish(mode)
         try:
@@ -333,22 +358,37 @@ def _swap(
                 fs.rename(new, path)
                 return None
             if fs.exchange(new, path):
+                _hold_swapped_out(new, occupant, locks)
                 return new
             _swap_by_renames(new, path, aside)
+            _hold_swapped_out(aside, occupant, locks)
             return aside
         except FileExistsError:
             if listing is not None or not os.path.lexists(path):
                 raise
-            # Another save's first save made it since the last listing: list it, then swap
-            # with it (the last swap wins).
+            # Another save's first save made it since the identity check: lock it, list it,
+            # then swap with it (the last swap wins).
         except FileNotFoundError:
             if listing is None or os.path.lexists(path) or os.path.lexists(aside):
                 raise
-            # Deleted since the last listing: rename into place instead.
+            # Deleted since the identity check: rename into place instead.
     raise RuntimeError(
         f"a save of {path} could not swap its new checkpoint in: {SWAP_TRIES} times, another "
-        "process created or deleted it just before the swap."
+        "process created, replaced or deleted it between the save's last listing of it and "
+        "its swap."
     )
+
+
+def _hold_swapped_out(old: Path, occupant: tuple[int, int] | None, locks: contextlib.ExitStack):
+    """Locks what the swap moved to `old` if it is not the directory locked before the swap.
+
+    That happens only when another save swapped its directory in within the moment between
+    the identity check and the swap. Locking it at once keeps the window in which it lies
+    unlocked at `old` to that of two system calls; what it held beyond its own files was not
+    carried over (the other save's swap came after this save's last listing).
+    """
+    if _identity(old) != occupant:
+        _lock_occupant(old, locks)
 
 
 def _explain(

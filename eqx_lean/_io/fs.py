@@ -167,16 +167,24 @@ def unlink(path: Path) -> None:
         os.unlink(path)
 
 
-def lock(path: Path) -> int | None:
-    """Takes an exclusive `flock` on the directory `path` without waiting.
+def lock(path: Path, *, shared: bool = False) -> int | None:
+    """Takes a `flock` on the directory `path` without waiting.
 
-    Saves hold one on their own new directory from its creation to their end, which is how
-    `eqx_lean.remove_leftovers` tells a live save's directory from a killed one's.
+    A save holds a shared one on each directory it will delete or swap in, from the moment it
+    makes or finds it to the save's end; several saves can hold the same directory. A probe
+    for dead saves' leftovers (`leftovers.unlocked`, `eqx_lean.remove_leftovers`) takes an
+    exclusive one, which no directory a running save holds grants.
+
+    **Arguments:**
+
+    - `path`: the directory.
+    - `shared`: a shared lock (a save's) instead of an exclusive one (a probe's).
 
     **Returns:**
 
-    The open descriptor holding the lock (closing it releases the lock), or `None` when another
-    process holds one, or `path` is missing or no directory (a link is not followed).
+    The open descriptor holding the lock (closing it releases the lock), or `None` when a lock
+    of another open file description conflicts, or `path` is missing or no directory (a link
+    is not followed).
     """
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -185,7 +193,7 @@ def lock(path: Path) -> int | None:
             return None
         raise
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
         return None

@@ -3,9 +3,9 @@
 
 A save builds its new checkpoint in `.<name>.tmp-<token>` beside the target `<name>` and, where
 no atomic exchange exists, moves the old one aside to `.<name>.old-<token>` for a moment. It
-holds an exclusive `flock` on its new directory from its creation to the save's end (and on the
-old one from just before the swap), so a leftover that no process holds locked was left by a
-save that died. The kernel releases the locks of a killed process.
+holds a shared `flock` on its new directory from its creation to the save's end (and on the
+old one from before its last listing of it), so a leftover on which an exclusive lock is granted
+was left by a save that died. The kernel releases the locks of a killed process.
 """
 
 import os
@@ -55,7 +55,7 @@ def make_locked_dir(target: Path, mode: int, locks: ExitStack, made: list[Path])
     for _ in range(3):
         made.append(leftover_name(target, "tmp"))
         fs.mkdir(made[-1], mode)
-        fd = fs.lock(made[-1])
+        fd = fs.lock(made[-1], shared=True)
         if fd is not None:
             locks.callback(os.close, fd)
             return made[-1]
