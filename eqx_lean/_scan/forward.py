@@ -12,9 +12,9 @@ from jax import lax
 from jax.custom_derivatives import SymbolicZero
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
-from . import _compat, _platform
-from ._gather import Gather, gather_targets, gathered_step, tie_gradient_shardings
-from ._remat import (
+from .. import _compat, _platform
+from .._gather import Gather, gather_targets, gathered_step, tie_gradient_shardings
+from .._remat import (
     SAVE_ALL,
     Remat,
     check_remat,
@@ -23,8 +23,8 @@ from ._remat import (
     resolve_remat,
     scan_layers,
 )
-from ._scan_checks import check_xs, checked_stack
-from ._scan_grad import differentiated_by_index
+from .._scan_checks import check_xs, checked_stack
+from .._scan_grad import differentiated_by_index
 
 
 Carry = TypeVar("Carry")
