@@ -2,6 +2,7 @@
 
 - `forward`: `fold` and `scan` themselves, which check their inputs, hoist the closure, pick
   the backward and run the loop.
+- `backward`: the reverse mode that reads layer `i` by index and writes its gradient in place.
 """
 
 from .forward import fold as fold, scan as scan

@@ -24,7 +24,7 @@ from .._remat import (
     scan_layers,
 )
 from .._scan_checks import check_xs, checked_stack
-from .._scan_grad import differentiated_by_index
+from .backward import differentiated_by_index
 
 
 Carry = TypeVar("Carry")

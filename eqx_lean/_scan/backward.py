@@ -28,9 +28,9 @@ from jax import lax
 from jax.custom_derivatives import SymbolicZero
 from jaxtyping import Array
 
-from . import _platform
-from ._compat import linear_call_with_transpose, shard_alike
-from ._remat import LayerPolicy, checkpointed
+from .. import _platform
+from .._compat import linear_call_with_transpose, shard_alike
+from .._remat import LayerPolicy, checkpointed
 
 
 # `(consts, layer, carry, x) -> (carry, y)`, the closure-converted per-layer step.
