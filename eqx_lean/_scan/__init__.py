@@ -2,6 +2,7 @@
 
 - `forward`: `fold` and `scan` themselves, which check their inputs, hoist the closure, pick
   the backward and run the loop.
+- `checks`: what `fold` and `scan` check of their inputs before JAX sees them.
 - `backward`: the reverse mode that reads layer `i` by index and writes its gradient in place.
 """
 

@@ -23,7 +23,7 @@ from .._remat import (
     resolve_remat,
     scan_layers,
 )
-from .._scan_checks import check_xs, checked_stack
+from .checks import check_xs, checked_stack
 from .backward import differentiated_by_index
 
 
