@@ -22,7 +22,7 @@ the platform it is compiled for (`Tricks.for_platform`), never globally:
   device's own pool).
 - scan's optimisation barrier (`barrier_on_cpu`): ties the stack to the loop index so XLA:CPU,
   which slices bfloat16 in float32, does not hoist a float32 copy of the whole stack. The
-  per-layer gather (`_gather`) puts one before its constraints too: on Auto axes XLA:CPU would
+  per-layer gather (`_scan.gather`) puts one before its constraints too: on Auto axes XLA:CPU would
   otherwise relayout the whole stack's shard to suit the gathered slice.
 - `host_writes`: loads copy file data with NumPy straight into the memory of freshly allocated
   CPU buffers (`host_view`), which is host memory: no compiled write, no staged copy. Elsewhere

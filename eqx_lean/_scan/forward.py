@@ -13,7 +13,7 @@ from jax.custom_derivatives import SymbolicZero
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
 from .. import _compat, _platform
-from .._gather import Gather, gather_targets, gathered_step, tie_gradient_shardings
+from .gather import Gather, gather_targets, gathered_step, tie_gradient_shardings
 from .._remat import (
     SAVE_ALL,
     Remat,

@@ -17,10 +17,10 @@ from jax.core import Tracer
 from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
 # The package's one sharding resolver: `build_stacked(sharding=...)` means the same.
-from . import _platform
-from ._compat import shard_alike
-from ._core import ShardingPolicy, has_explicit_axes, resolve_shardings
-from ._remat import checkpointed
+from .. import _platform
+from .._compat import shard_alike
+from .._core import ShardingPolicy, has_explicit_axes, resolve_shardings
+from .._remat import checkpointed
 
 
 Gather: TypeAlias = bool | ShardingPolicy
