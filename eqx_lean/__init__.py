@@ -24,7 +24,7 @@ from ._io import (
     save_stacked as save_stacked,
     save_tensors as save_tensors,
 )
-from ._remat import NestedRemat as NestedRemat
+from ._scan.remat import NestedRemat as NestedRemat
 from ._scan import fold as fold, scan as scan
 
 

@@ -30,7 +30,7 @@ from jaxtyping import Array
 
 from .. import _platform
 from .._compat import linear_call_with_transpose, shard_alike
-from .._remat import LayerPolicy, checkpointed
+from .remat import LayerPolicy, checkpointed
 
 
 # `(consts, layer, carry, x) -> (carry, y)`, the closure-converted per-layer step.

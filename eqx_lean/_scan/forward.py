@@ -14,7 +14,7 @@ from jaxtyping import Array, PRNGKeyArray, PyTree
 
 from .. import _compat, _platform
 from .gather import Gather, gather_targets, gathered_step, tie_gradient_shardings
-from .._remat import (
+from .remat import (
     SAVE_ALL,
     Remat,
     check_remat,

@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec, Sharding
 from .. import _platform
 from .._compat import shard_alike
 from .._core import ShardingPolicy, has_explicit_axes, resolve_shardings
-from .._remat import checkpointed
+from .remat import checkpointed
 
 
 Gather: TypeAlias = bool | ShardingPolicy
