@@ -3,7 +3,8 @@
 - `forward`: `fold` and `scan` themselves, which check their inputs, hoist the closure, pick
   the backward and run the loop.
 - `checks`: what `fold` and `scan` check of their inputs before JAX sees them.
-- `remat`: the `remat=` option (gradient checkpointing), and the fallback scans.
+- `remat`: the `remat=` option (gradient checkpointing).
+- `fallback`: the scans JAX differentiates itself, where the custom backward is not used.
 - `gather`: ZeRO-3, each layer of a sharded stack gathered just before it runs.
 - `backward`: the reverse mode that reads layer `i` by index and writes its gradient in place.
 """

@@ -13,18 +13,11 @@ from jax.custom_derivatives import SymbolicZero
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
 from .. import _compat, _platform
-from .gather import Gather, gather_targets, gathered_step, tie_gradient_shardings
-from .remat import (
-    SAVE_ALL,
-    Remat,
-    check_remat,
-    checkpointed,
-    nested_scan,
-    resolve_remat,
-    scan_layers,
-)
-from .checks import check_xs, checked_stack
 from .backward import differentiated_by_index
+from .checks import check_xs, checked_stack
+from .fallback import nested_scan, scan_layers
+from .gather import Gather, gather_targets, gathered_step, tie_gradient_shardings
+from .remat import SAVE_ALL, Remat, check_remat, checkpointed, resolve_remat
 
 
 Carry = TypeVar("Carry")

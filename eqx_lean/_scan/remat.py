@@ -7,13 +7,11 @@ from typing import Any, Literal, TypeAlias
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax import lax
-from jaxtyping import Array
 
 
-_Policy: TypeAlias = Callable[..., bool]
+# A `jax.checkpoint_policies` policy: which of a layer's residuals its backward keeps.
+Policy: TypeAlias = Callable[..., bool]
 
 
 class NestedRemat(eqx.Module):
@@ -49,7 +47,7 @@ class NestedRemat(eqx.Module):
     """
 
     group_size: int | None = eqx.field(static=True, default=None)
-    policy: _Policy | None = eqx.field(static=True, default=None)
+    policy: Policy | None = eqx.field(static=True, default=None)
 
     def __check_init__(self):
         if self.group_size is not None and (
@@ -67,7 +65,7 @@ class NestedRemat(eqx.Module):
             check_policy(self.policy, "`NestedRemat(policy=...)`")
 
 
-Remat: TypeAlias = bool | _Policy | NestedRemat | Literal["nested"] | None
+Remat: TypeAlias = bool | Policy | NestedRemat | Literal["nested"] | None
 
 
 # How `jax.checkpoint` calls a policy, once per operation of the layer: the primitive, the
@@ -142,7 +140,7 @@ def default_group_size(num_layers: int) -> int:
 # What one layer's backward pass keeps from its forward: `SAVE_ALL` (no checkpoint, every
 # residual that depends on the activations is saved) or a `jax.checkpoint_policies` policy.
 SAVE_ALL = "save_all"
-LayerPolicy: TypeAlias = _Policy | str
+LayerPolicy: TypeAlias = Policy | str
 
 
 def resolve_remat(remat: Remat, num_layers: int) -> tuple[LayerPolicy, int | None]:
@@ -160,69 +158,8 @@ def resolve_remat(remat: Remat, num_layers: int) -> tuple[LayerPolicy, int | Non
     return remat, None
 
 
-def checkpointed(fn: Callable[..., Any], policy: _Policy | None) -> Callable[..., Any]:
+def checkpointed(fn: Callable[..., Any], policy: Policy | None) -> Callable[..., Any]:
     """`jax.checkpoint(fn, policy=policy)`, for functions run in a loop body."""
     # Inside a loop body there is nothing for CSE to merge across iterations, so the
     # optimisation barrier that prevent_cse adds would only cost performance.
     return jax.checkpoint(fn, prevent_cse=False, policy=policy)
-
-
-def scan_layers(
-    step: Callable[[Any, Any, Any], tuple[Any, Any]],
-    dynamic: Any,
-    carry: Any,
-    xs: Any,
-    unroll: int | bool,
-) -> tuple[Any, Any]:
-    def body(carry: Any, sliced: tuple[Any, Any]) -> tuple[Any, Any]:
-        layer, x = sliced
-        return step(layer, carry, x)
-
-    return lax.scan(body, carry, (dynamic, xs), unroll=unroll)
-
-
-def split_groups(tree: Any, num_groups: int, group_size: int) -> tuple[Any, Any]:
-    """Splits the leading axis of every leaf into `(num_groups, group_size)` plus a remainder."""
-    main_len = num_groups * group_size
-
-    def main(x: Array) -> Array:
-        x = x if x.shape[0] == main_len else x[:main_len]
-        return x.reshape(num_groups, group_size, *x.shape[1:])
-
-    return jax.tree.map(main, tree), jax.tree.map(lambda x: x[main_len:], tree)
-
-
-def merge_groups(main: Any, rest: Any, has_rest: bool) -> Any:
-    def merge(m: Array, r: Array | None) -> Array:
-        m = m.reshape(-1, *m.shape[2:])
-        return m if r is None else jnp.concatenate([m, r])
-
-    if not has_rest:
-        return jax.tree.map(lambda m: merge(m, None), main)
-    return jax.tree.map(merge, main, rest)
-
-
-def nested_scan(
-    step: Callable[[Any, Any, Any], tuple[Any, Any]],
-    dynamic: Any,
-    carry: Any,
-    xs: Any,
-    num_layers: int,
-    policy: _Policy,
-    group_size: int,
-    unroll: int | bool,
-) -> tuple[Any, Any]:
-    num_groups, rest = divmod(num_layers, group_size)
-    inner = checkpointed(step, policy)
-
-    def group(layers: Any, carry: Any, group_xs: Any) -> tuple[Any, Any]:
-        return scan_layers(inner, layers, carry, group_xs, unroll)
-
-    outer = checkpointed(group, jax.checkpoint_policies.nothing_saveable)
-    main_layers, rest_layers = split_groups(dynamic, num_groups, group_size)
-    main_xs, rest_xs = split_groups(xs, num_groups, group_size)
-    carry, main_ys = scan_layers(outer, main_layers, carry, main_xs, unroll=1)
-    rest_ys = None
-    if rest:
-        carry, rest_ys = outer(rest_layers, carry, rest_xs)
-    return carry, merge_groups(main_ys, rest_ys, has_rest=bool(rest))
