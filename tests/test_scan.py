@@ -13,6 +13,7 @@ from jaxtyping import Array, PRNGKeyArray
 
 import eqx_lean
 from eqx_lean import _compat
+from eqx_lean._scan import linear_call
 
 
 NUM_LAYERS = 6
@@ -224,9 +225,9 @@ def test_fold_gradients_equal_the_earlier_scan_over_xs(mlp, remat):
     # hand-written backward pass give the same values, those of the loop.
     stacked, x, expected = mlp
     with _compat.without_private_jax():
-        assert not _compat.has_custom_transpose()
+        assert not linear_call.has_custom_transpose()
         earlier = value_and_grads_of(lambda s, x: eqx_lean.fold(s, x, remat=remat), stacked, x)
-    assert _compat.has_custom_transpose()
+    assert linear_call.has_custom_transpose()
     found = value_and_grads_of(lambda s, x: eqx_lean.fold(s, x, remat=remat), stacked, x)
     assert_close(earlier, expected)
     assert_close(found, earlier)

@@ -11,7 +11,7 @@ JAX's own transpose of an index-reading loop would instead accumulate the stack'
 a loop-carried, stack-sized sum; that of a scan over the stack as `xs` (the earlier path, still
 the fallback) converts the whole stack to float32 ahead of the loop on CPU and stacks the
 per-layer cotangents. Hence a hand-written transpose, attached to the tangent of a
-`custom_jvp` through `_compat.linear_call_with_transpose`: reverse mode runs the loops below,
+`custom_jvp` through `linear_call.linear_call_with_transpose`: reverse mode runs the loops below,
 forward mode (`jvp`, `jacfwd`) the JVP of the forward-only index-reading loop.
 """
 
@@ -29,7 +29,8 @@ from jax.custom_derivatives import SymbolicZero
 from jaxtyping import Array
 
 from .. import _platform
-from .._compat import linear_call_with_transpose, shard_alike
+from .._compat import shard_alike
+from .linear_call import linear_call_with_transpose
 from .remat import LayerPolicy, checkpointed
 
 

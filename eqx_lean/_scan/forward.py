@@ -12,11 +12,12 @@ from jax import lax
 from jax.custom_derivatives import SymbolicZero
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
-from .. import _compat, _platform
+from .. import _platform
 from .backward import differentiated_by_index
 from .checks import check_xs, checked_stack
 from .fallback import nested_scan, scan_layers
 from .gather import Gather, gather_targets, gathered_step, tie_gradient_shardings
+from .linear_call import has_custom_transpose
 from .remat import SAVE_ALL, Remat, check_remat, checkpointed, resolve_remat
 
 
@@ -206,7 +207,7 @@ def _scan(
         step = functools.partial(step_with, consts)
         return _scan_by_index(step, dynamic, carry, xs, num_layers, unroll)
 
-    if _compat.has_custom_transpose():
+    if has_custom_transpose():
         return differentiated_by_index(
             step_with,
             primal,
