@@ -4,6 +4,8 @@
   the backward and run the loop.
 - `checks`: what `fold` and `scan` check of their inputs before JAX sees them.
 - `remat`: the `remat=` option (gradient checkpointing).
+- `layer_vjp`: one layer's VJP inside those loops: how the step's inputs split, what its
+  linearisation saves or recomputes.
 - `linear_call`: the primitive through which reverse mode runs `backward` (its custom
   transpose).
 - `fallback`: the scans JAX differentiates itself, where the custom backward is not used.

@@ -17,7 +17,7 @@ forward mode (`jvp`, `jacfwd`) the JVP of the forward-only index-reading loop.
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -29,210 +29,34 @@ from jax.custom_derivatives import SymbolicZero
 from jaxtyping import Array
 
 from .. import _platform
-from .._compat import shard_alike
+from .layer_vjp import (
+    LayerLoops,
+    Linearization,
+    Step,
+    StepInputs,
+    depends_on,
+    is_inexact,
+    merge,
+    rows_at,
+    select,
+    split_parts,
+    write_rows,
+    zeros_alike,
+)
 from .linear_call import linear_call_with_transpose
-from .remat import LayerPolicy, checkpointed
-
-
-# `(consts, layer, carry, x) -> (carry, y)`, the closure-converted per-layer step.
-Step = Callable[[list[Array], Any, Any, Any], tuple[Any, Any]]
-
-
-def _is_inexact(x: Any) -> bool:
-    return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
-
-
-def _select(values: Sequence[Any], mask: Sequence[bool], keep: bool = True) -> list[Any]:
-    return [v for v, m in zip(values, mask, strict=True) if m == keep]
-
-
-def _merge(mask: Sequence[bool], chosen: Sequence[Any], others: Sequence[Any]) -> list[Any]:
-    """Inverse of `_select`: `chosen` where `mask` is set, `others` elsewhere, in order."""
-    chosen_iter, others_iter = iter(chosen), iter(others)
-    return [next(chosen_iter) if m else next(others_iter) for m in mask]
-
-
-def _split(flat: Sequence[Any], counts: Sequence[int]) -> list[list[Any]]:
-    """Splits `flat` into consecutive parts of the given lengths, and the rest."""
-    bounds = np.cumsum((0, *counts))
-    return [list(flat[a:b]) for a, b in zip(bounds, [*bounds[1:], len(flat)], strict=True)]
-
-
-def _index(leaves: Sequence[Array], i: Any) -> list[Array]:
-    return [lax.dynamic_index_in_dim(a, i, keepdims=False) for a in leaves]
-
-
-def _write(buffers: Sequence[Array], rows: Sequence[Array], i: Any) -> list[Array]:
-    return [
-        lax.dynamic_update_index_in_dim(b, r.astype(b.dtype), i, 0)
-        for b, r in zip(buffers, rows, strict=True)
-    ]
-
-
-def _zeros_alike(x: Array) -> Array:
-    """Zeros shaped, typed and sharded like `x`, to write a stacked gradient into.
-
-    `jax.experimental.shard_alike` ties the two shardings even where `x`'s is known only to
-    the compiler (inside `jax.jit`), so the gradient of a sharded stack comes back sharded
-    as the stack is, each layer's gradient written into its own shards.
-    """
-    zeros = lax.full_like(x, 0)
-    return zeros if jax.device_count() == 1 else shard_alike(x, zeros)[1]
-
-
-@dataclasses.dataclass(frozen=True)
-class _Layout:
-    """How a layer's flat inputs `consts + layer + carry + x` split and which are differentiated.
-
-    `live_*` mark the leaves whose cotangent is wanted (those with a tangent). The carry's
-    inexact leaves are always differentiated: the cotangent flows back through them.
-    """
-
-    treedefs: tuple[Any, ...]  # of the consts (a list), the stack, the carry and xs
-    live_consts: tuple[bool, ...]
-    live_stack: tuple[bool, ...]
-    inexact_carry: tuple[bool, ...]
-    live_carry: tuple[bool, ...]
-    live_xs: tuple[bool, ...]
-
-    @property
-    def diff(self) -> tuple[bool, ...]:
-        return self.live_consts + self.live_stack + self.inexact_carry + self.live_xs
-
-    @property
-    def num_fixed(self) -> int:
-        """The number of inputs that are not activations (constants and the layer's arrays)."""
-        return len(self.live_consts) + len(self.live_stack)
-
-    def split(self, flat: Sequence[Any]) -> list[list[Any]]:
-        """Splits `consts + layer + carry + x` into its four parts."""
-        return _split(flat, [t.num_leaves for t in self.treedefs[:3]])
-
-    def unflatten(self, flat: Sequence[Any]) -> tuple[Any, ...]:
-        consts, *parts = self.split(flat)
-        return consts, *(t.unflatten(p) for t, p in zip(self.treedefs[1:], parts, strict=True))
-
-    def split_cotangents(self, cts: Sequence[Array]) -> list[list[Array]]:
-        """Splits the cotangents of the differentiated inputs into their four parts."""
-        counts = [sum(m) for m in (self.live_consts, self.live_stack, self.inexact_carry)]
-        return _split(cts, counts)
-
-
-@dataclasses.dataclass
-class _Linearization:
-    """What one layer's VJP is made of, found while tracing the forward loop's body.
-
-    `sources[k]` says where leaf `k` of the VJP function comes from in the backward pass:
-    `("input", j)`, input `j` of the layer (a constant, a slice of the stack, the carry, `x`),
-    read again; `("saved", j)`, residual `j`, saved per layer on the layer axis; or
-    `("recompute", 0)`, a residual computed from constants and the layer's arrays alone.
-    """
-
-    vjp_tree: Any = None
-    sources: tuple[tuple[str, int], ...] = ()
-    out_tree: Any = None
-    out_inexact: tuple[bool, ...] = ()
-    # Whether the carry entering each layer is saved: not when the VJP does not read it (with
-    # no checkpoint, it may need only values computed from it), then `carry_like` stands in.
-    carry_saved: bool = True
-    carry_like: tuple[jax.ShapeDtypeStruct, ...] = ()
-
-    def carry_in(self, carries: list[Array], at: Any) -> list[Array]:
-        if self.carry_saved:
-            return _index(carries, at)
-        # Read by nothing but a recomputation that does not depend on it, which XLA drops.
-        return [jnp.zeros(c.shape, c.dtype) for c in self.carry_like]
-
-
-@dataclasses.dataclass(frozen=True)
-class _Loops:
-    """What every loop over layers reads: the per-layer step and the layout of its inputs, the
-    policy, the constants, the stack's and `xs`'s leaves, and `jax.lax.scan`'s `unroll`."""
-
-    step: Step
-    layout: _Layout
-    policy: LayerPolicy
-    consts: list[Array]
-    stack: list[Array]
-    xs: list[Array]
-    unroll: int | bool
-
-    def layer_vjp(
-        self, inputs: list[Any], lin: _Linearization | None = None
-    ) -> tuple[list[Array], Callable[..., Any], list[Array]]:
-        """`jax.vjp` of one layer with respect to its differentiated inputs: returns the
-        inexact outputs, the VJP function, and the other outputs (integers, keys)."""
-        lin = _Linearization() if lin is None else lin
-        diff = self.layout.diff
-
-        def layer(*diff_values: Array) -> tuple[list[Array], list[Array]]:
-            values = _merge(diff, diff_values, _select(inputs, diff, keep=False))
-            leaves, lin.out_tree = jax.tree.flatten(self.step(*self.layout.unflatten(values)))
-            lin.out_inexact = tuple(_is_inexact(o) for o in leaves)
-            return _select(leaves, lin.out_inexact), _select(leaves, lin.out_inexact, False)
-
-        if callable(self.policy):  # not SAVE_ALL
-            layer = checkpointed(layer, self.policy)
-        return jax.vjp(layer, *_select(inputs, diff), has_aux=True)
-
-    def layer_inputs(self, i: Any, carry_leaves: list[Array]) -> list[Array]:
-        # As in `_scan_by_index`: tied to the loop index by an optimisation barrier (on CPU,
-        # where it was measured), nothing done to the stack (there, a float32 conversion) is
-        # hoisted out of the loop.
-        stack, xs, at = _platform.barrier_on_cpu((self.stack, self.xs, i))
-        return [*self.consts, *_index(stack, at), *carry_leaves, *_index(xs, at)]
-
-
-# Equations that call a sub-jaxpr once, its inputs and outputs one to one with theirs: their
-# dependencies are read inside. Any other (a loop, a conditional) marks all its results.
-_CALLS = {"jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint", "custom_jvp_call"}
-
-
-def _depends_on(
-    fun: Callable[..., list[Any]], inputs: Sequence[Any], marked: Sequence[bool]
-) -> list[bool]:
-    """Which outputs of `fun(*inputs)` may depend on the `marked` inputs, read off its jaxpr.
-
-    Erring towards "depends" is safe: such a residual is saved rather than recomputed.
-    """
-    closed = jax.make_jaxpr(fun)(*inputs)
-    return _marked_outputs(closed.jaxpr, marked)
-
-
-def _marked_outputs(jaxpr: Any, marked: Sequence[bool]) -> list[bool]:
-    def is_marked(v: Any) -> bool:
-        return isinstance(v, jax.extend.core.Var) and v in dependent
-
-    dependent = set(_select(jaxpr.invars, marked))
-    for eqn in jaxpr.eqns:
-        operands = [is_marked(v) for v in eqn.invars]
-        if not any(operands):
-            continue
-        inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-        inner = getattr(inner, "jaxpr", inner)  # a ClosedJaxpr's, or a Jaxpr
-        if (
-            eqn.primitive.name in _CALLS
-            and isinstance(inner, jax.extend.core.Jaxpr)
-            and len(inner.invars) == len(eqn.invars)
-            and len(inner.outvars) == len(eqn.outvars)
-        ):
-            results = _marked_outputs(inner, operands)
-            dependent.update(_select(eqn.outvars, results))
-        else:
-            dependent.update(eqn.outvars)
-    return [is_marked(v) for v in jaxpr.outvars]
+from .remat import LayerPolicy
 
 
 def _forward_saving(
-    loops: _Loops, carry: Any, start: Any, length: int
-) -> tuple[Any, list[Array], list[Array], list[Array], _Linearization]:
+    loops: LayerLoops, carry: Any, start: Any, length: int
+) -> tuple[Any, list[Array], list[Array], list[Array], Linearization]:
     """Runs layers `start, ..., start + length - 1`, saving what their backward pass needs.
 
     Returns the last carry, the `y` leaves, the carry leaves entering each layer (none if
     `lin.carry_saved` is false), the saved residuals (each of these three stacked on a leading
     axis of `length`) and the layers' linearisation `lin`.
     """
-    lin = _Linearization()
+    lin = Linearization()
     activations = [j >= loops.layout.num_fixed for j in range(len(loops.layout.diff))]
 
     def body(state: tuple[Any, Any, list[Array]], _: None) -> tuple[Any, Any]:
@@ -247,7 +71,7 @@ def _forward_saving(
         # again in the backward pass, and one computed from constants and the layer's arrays
         # alone (a cast, a transpose) is computed again there: saving either on the layer axis
         # would copy the stack. Only residuals that depend on the activations are saved.
-        on_activations = _depends_on(
+        on_activations = depends_on(
             lambda *inputs: jax.tree.leaves(loops.layer_vjp(list(inputs))[1]), inputs, activations
         )
         position = {id(v): j for j, v in enumerate(inputs)}
@@ -266,7 +90,7 @@ def _forward_saving(
         lin.carry_saved = any(kind == "input" and j in carry_inputs for kind, j in sources) or any(
             jnp.issubdtype(c.dtype, jax.dtypes.extended) for c in carry_leaves
         )
-        new_carry, y = jax.tree.unflatten(lin.out_tree, _merge(lin.out_inexact, inexact, others))
+        new_carry, y = jax.tree.unflatten(lin.out_tree, merge(lin.out_inexact, inexact, others))
         carries = carry_leaves if lin.carry_saved else []
         return (i + 1, new_carry, consts), (carries, jax.tree.leaves(y), saved)
 
@@ -290,8 +114,8 @@ jax.tree_util.register_dataclass(_Cotangents)
 
 
 def _backward_segment(
-    loops: _Loops,
-    lin: _Linearization,
+    loops: LayerLoops,
+    lin: Linearization,
     carries: list[Array],
     saved: list[Array],
     ct_ys: list[Array],
@@ -311,7 +135,7 @@ def _backward_segment(
             (carries, saved, ct_ys, start + (length - 1) - k)
         )
         inputs = loops.layer_inputs(i, lin.carry_in(carries_now, i - start))
-        saved_now = _index(saved_now, i - start)
+        saved_now = rows_at(saved_now, i - start)
         # XLA drops whatever part of this recomputation the backward pass does not read.
         again = jax.tree.leaves(loops.layer_vjp(inputs)[1]) if recompute else []
         vjp_leaves = [
@@ -319,13 +143,13 @@ def _backward_segment(
             for n, (kind, j) in enumerate(lin.sources)
         ]
         vjp_fn = jax.tree.unflatten(lin.vjp_tree, vjp_leaves)
-        ct_inputs = vjp_fn([*cts.carry, *_index(ct_ys_now, i)])
+        ct_inputs = vjp_fn([*cts.carry, *rows_at(ct_ys_now, i)])
         ct_consts, ct_layer, ct_carry, ct_x = loops.layout.split_cotangents(ct_inputs)
         cts = _Cotangents(
             carry=ct_carry,
             consts=[a + b.astype(a.dtype) for a, b in zip(cts.consts, ct_consts, strict=True)],
-            stack=_write(cts.stack, ct_layer, i),
-            xs=_write(cts.xs, ct_x, i),
+            stack=write_rows(cts.stack, ct_layer, i),
+            xs=write_rows(cts.xs, ct_x, i),
         )
         return (k + 1, cts), None
 
@@ -334,7 +158,7 @@ def _backward_segment(
 
 
 def _forward_group_carries(
-    loops: _Loops, carry: Any, num_layers: int, group_size: int
+    loops: LayerLoops, carry: Any, num_layers: int, group_size: int
 ) -> tuple[Any, Any, list[Array]]:
     """The forward pass of nested remat: returns the last carry, the `ys`, and the carry
     leaves entering each group of `group_size` layers (row `g` for group `g`, plus a spare)."""
@@ -346,7 +170,7 @@ def _forward_group_carries(
         carry_leaves = jax.tree.leaves(carry)
         # The carry entering a group goes to its row, any other to the spare last row.
         row = jnp.where(i % group_size == 0, i // group_size, num_groups)
-        group_carries = _write(group_carries, carry_leaves, row)
+        group_carries = write_rows(group_carries, carry_leaves, row)
         new_carry, y = loops.step(*loops.layout.unflatten(loops.layer_inputs(i, carry_leaves)))
         y_tree[:] = [jax.tree.structure(y)]
         return (i + 1, new_carry, group_carries), jax.tree.leaves(y)
@@ -362,7 +186,7 @@ def _forward_group_carries(
 
 
 def _nested_backward(
-    loops: _Loops,
+    loops: LayerLoops,
     group_carries: list[Array],
     ct_ys: list[Array],
     cts: _Cotangents,
@@ -381,13 +205,13 @@ def _nested_backward(
 
     if rest:  # the shorter last group, with static bounds
         start = jnp.int32(num_full * group_size)
-        cts = group(cts, start, rest, _index(group_carries, num_full))
+        cts = group(cts, start, rest, rows_at(group_carries, num_full))
     if num_full:
 
         def outer(state: tuple[Any, _Cotangents], _: None) -> tuple[Any, None]:
             k, cts = state
             g = num_full - 1 - k
-            return (k + 1, group(cts, g * group_size, group_size, _index(group_carries, g))), None
+            return (k + 1, group(cts, g * group_size, group_size, rows_at(group_carries, g))), None
 
         (_, cts), _ = lax.scan(outer, (jnp.int32(0), cts), None, length=num_full)
     return cts
@@ -439,20 +263,20 @@ def differentiated_by_index(
         (leaves,), (tangent_leaves,) = primals, tangents
         # A leaf with a symbolic-zero tangent (a frozen leaf) gets no cotangent at all.
         live = [
-            _is_inexact(x) and not isinstance(t, SymbolicZero)
+            is_inexact(x) and not isinstance(t, SymbolicZero)
             for x, t in zip(leaves, tangent_leaves, strict=True)
         ]
-        consts, stack, carry_leaves, xs = _split(leaves, [t.num_leaves for t in treedefs[:3]])
-        live_parts = _split(live, [t.num_leaves for t in treedefs[:3]])
-        layout = _Layout(
+        consts, stack, carry_leaves, xs = split_parts(leaves, [t.num_leaves for t in treedefs[:3]])
+        live_parts = split_parts(live, [t.num_leaves for t in treedefs[:3]])
+        layout = StepInputs(
             treedefs,
             live_consts=tuple(live_parts[0]),
             live_stack=tuple(live_parts[1]),
-            inexact_carry=tuple(_is_inexact(c) for c in carry_leaves),
+            inexact_carry=tuple(is_inexact(c) for c in carry_leaves),
             live_carry=tuple(live_parts[2]),
             live_xs=tuple(live_parts[3]),
         )
-        loops = _Loops(step, layout, policy, consts, stack, xs, unroll)
+        loops = LayerLoops(step, layout, policy, consts, stack, xs, unroll)
         carry = treedefs[2].unflatten(carry_leaves)
         if group_size is None:
             carry_out, ys, carries, saved, lin = _forward_saving(
@@ -463,23 +287,23 @@ def differentiated_by_index(
         else:
             carry_out, ys, residuals = _forward_group_carries(loops, carry, num_layers, group_size)
             carries_kept = []
-            lin = _Linearization()  # found per group, in the backward pass
+            lin = Linearization()  # found per group, in the backward pass
         out_leaves, out_tree = jax.tree.flatten((carry_out, ys))
-        out_inexact = [_is_inexact(o) for o in out_leaves]
+        out_inexact = [is_inexact(o) for o in out_leaves]
         num_ct_carry, num_primals = sum(layout.inexact_carry), len(leaves)
 
         def tangent_of(forward: Callable[..., tuple[Any, Any]]) -> Callable[..., list[Array]]:
             """Forward mode: `(primals, residuals, tangents) -> output tangents` of `forward`."""
 
             def tangent(*flat: Array) -> list[Array]:
-                primals, _, lin_tangents = _split(flat, [num_primals, len(residuals)])
+                primals, _, lin_tangents = split_parts(flat, [num_primals, len(residuals)])
 
                 def of_live(*live_values: Array) -> list[Array]:
-                    values = _merge(live, live_values, _select(primals, live, keep=False))
+                    values = merge(live, live_values, select(primals, live, keep=False))
                     out = jax.tree.leaves(forward(*treedef.unflatten(values)))
-                    return _select(out, out_inexact)
+                    return select(out, out_inexact)
 
-                return jax.jvp(of_live, _select(primals, live), lin_tangents)[1]
+                return jax.jvp(of_live, select(primals, live), lin_tangents)[1]
 
             return tangent
 
@@ -489,41 +313,41 @@ def differentiated_by_index(
 
         def transpose(*flat: Array) -> list[Array]:
             """Reverse mode: the backward loop, from the cotangents of the inexact outputs."""
-            primals, res, cts_out = _split(flat, [num_primals, len(residuals)])
+            primals, res, cts_out = split_parts(flat, [num_primals, len(residuals)])
             consts, stack, _, xs = layout.split(primals)
             cts = _Cotangents(
                 carry=cts_out[:num_ct_carry],
-                consts=[jnp.zeros_like(c) for c in _select(consts, layout.live_consts)],
-                stack=[_zeros_alike(s) for s in _select(stack, layout.live_stack)],
-                xs=[_zeros_alike(x) for x in _select(xs, layout.live_xs)],
+                consts=[jnp.zeros_like(c) for c in select(consts, layout.live_consts)],
+                stack=[zeros_alike(s) for s in select(stack, layout.live_stack)],
+                xs=[zeros_alike(x) for x in select(xs, layout.live_xs)],
             )
-            loops_now = _Loops(step, layout, policy, consts, stack, xs, unroll)
+            loops_now = LayerLoops(step, layout, policy, consts, stack, xs, unroll)
             ct_ys = cts_out[num_ct_carry:]
             if group_size is None:
-                carries, saved = _split(res, [len(carries_kept)])
+                carries, saved = split_parts(res, [len(carries_kept)])
                 cts = _backward_segment(loops_now, lin, carries, saved, ct_ys, cts, 0, num_layers)
             else:
                 cts = _nested_backward(loops_now, res, ct_ys, cts, num_layers, group_size)
-            live_carry = _select(layout.live_carry, layout.inexact_carry)
-            return [*cts.consts, *cts.stack, *_select(cts.carry, live_carry), *cts.xs]
+            live_carry = select(layout.live_carry, layout.inexact_carry)
+            return [*cts.consts, *cts.stack, *select(cts.carry, live_carry), *cts.xs]
 
-        lin_tangents = _select(tangent_leaves, live)
+        lin_tangents = select(tangent_leaves, live)
         if lin_tangents:
             tangents_out = linear_call_with_transpose(
                 tangent,
                 transpose,
                 [*leaves, *residuals],
                 lin_tangents,
-                _select(out_leaves, out_inexact),
+                select(out_leaves, out_inexact),
                 unbatched_fallback=tangent_by_jax,
             )
         else:  # only integer leaves had (float0) tangents
-            tangents_out = [jnp.zeros_like(o) for o in _select(out_leaves, out_inexact)]
+            tangents_out = [jnp.zeros_like(o) for o in select(out_leaves, out_inexact)]
         float0_zeros = [
             np.zeros(jnp.shape(o), jax.dtypes.float0)
-            for o in _select(out_leaves, out_inexact, keep=False)
+            for o in select(out_leaves, out_inexact, keep=False)
         ]
-        return (carry_out, ys), out_tree.unflatten(_merge(out_inexact, tangents_out, float0_zeros))
+        return (carry_out, ys), out_tree.unflatten(merge(out_inexact, tangents_out, float0_zeros))
 
     run.defjvp(run_jvp, symbolic_zeros=True)
     return run(leaves)
