@@ -4,13 +4,13 @@
   the backward and run the loop.
 - `checks`: what `fold` and `scan` check of their inputs before JAX sees them.
 - `remat`: the `remat=` option (gradient checkpointing).
-- `layer_vjp`: one layer's VJP inside those loops: how the step's inputs split, what its
+- `backward`: the reverse mode that reads layer `i` by index and writes its gradient in place.
+- `layer_vjp`: one layer's VJP inside `backward`'s loops: how the step's inputs split, what its
   linearisation saves or recomputes.
 - `linear_call`: the primitive through which reverse mode runs `backward` (its custom
   transpose).
 - `fallback`: the scans JAX differentiates itself, where the custom backward is not used.
 - `gather`: ZeRO-3, each layer of a sharded stack gathered just before it runs.
-- `backward`: the reverse mode that reads layer `i` by index and writes its gradient in place.
 """
 
 from .forward import fold as fold, scan as scan
