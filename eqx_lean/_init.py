@@ -26,7 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import Array, PRNGKeyArray
 
 from ._core import (
-    WriteCache,
+    CompiledCache,
     aval_key,
     axis_names,
     check_spec,
@@ -251,7 +251,7 @@ def _chunked_fill(
 
 
 # Compiled fills by content, as build_stacked's writes (`eqx_lean.clear_caches` empties it).
-_FILLS = WriteCache()
+_FILLS = CompiledCache()
 
 
 def _fill(key: PRNGKeyArray, **static: Any) -> Array:

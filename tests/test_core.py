@@ -288,7 +288,7 @@ def test_clear_caches_forgets_the_writes(compiles):
 
 
 def test_the_cache_is_bounded_least_recently_used_first():
-    cache = _core.writes.WriteCache(max_entries=2)
+    cache = _core.compiled_cache.CompiledCache(max_entries=2)
     cache.put("a", 1)
     cache.put("b", 2)
     assert cache.get("a") == 1  # "b" is now the least recently used

@@ -1,4 +1,4 @@
-"""The one engine under `build_stacked`, the loaders, `init.chunked` and `memory.estimate`.
+"""The build engine under `build_stacked`, the loaders, `init.chunked` and `memory.estimate`.
 
 This is eqx_lean's documented internal API: the public functions are built from it, and the
 scripts in `benchmarks/` may use it. It is not public API and may change between releases.
@@ -15,6 +15,9 @@ scripts in `benchmarks/` may use it. It is not public API and may change between
 - `program`: `make_layer` traced once (`trace_layer`), with a key by content.
 - `writes`: allocation, donated row writes, the build plan (`plan_build`), its compiled writes
   (`compile_writes`, cached by content in `WRITES`; `lower_writes` for inspection) and `fill`.
+- `compiled_cache`: compiled programs kept by content (`CompiledCache`, one type for the
+  builds' writes, the chunk writes and `init.chunked`'s fills, each with its own key recipe;
+  `settings_key`, `clear_caches`).
 - `chunks`: the loaders' engine: buffers filled from host data in bounded pieces
   (`plan_chunks`, `allocate_targets`, `compile_chunk_writes`, `fill_chunks`; `lower_chunk_write`
   for inspection), by host writes on CPU or compiled chunk writes elsewhere (`HOST_WRITES`
@@ -27,6 +30,11 @@ in `eqx_lean._compat`.
 """
 
 from .._platform import Tricks as Tricks, lower as lower
+from .compiled_cache import (
+    CompiledCache as CompiledCache,
+    clear_caches as clear_caches,
+    settings_key as settings_key,
+)
 from .dtypes import (
     ForModules as ForModules,
     ForVectors as ForVectors,
@@ -80,10 +88,8 @@ from .writes import (
     WRITES as WRITES,
     BuildPlan as BuildPlan,
     Group as Group,
-    WriteCache as WriteCache,
     allocate as allocate,
     as_bits as as_bits,
-    clear_caches as clear_caches,
     compile_writes as compile_writes,
     delete_arrays as delete_arrays,
     fill as fill,
@@ -93,7 +99,6 @@ from .writes import (
     lower_writes as lower_writes,
     memory_analysis as memory_analysis,
     plan_build as plan_build,
-    settings_key as settings_key,
     trace_writes as trace_writes,
     update_rows as update_rows,
     write_layer as write_layer,

@@ -17,7 +17,8 @@ from jaxtyping import Array
 
 from .. import _platform
 from .chunk_plan import ChunkGroup, Reader, Releaser
-from .writes import WriteCache, delete_arrays, update_slice
+from .compiled_cache import CompiledCache
+from .writes import delete_arrays, update_slice
 
 
 ALIGN = _platform.ZERO_COPY_ALIGNMENT  # host arrays so aligned are used in place, not copied
@@ -38,7 +39,7 @@ def _write_fn(stacked: bool, bit_writes: bool) -> Callable[..., tuple[Array, ...
     return write_chunks
 
 
-_COMPILED = WriteCache(max_entries=32)
+_COMPILED = CompiledCache(max_entries=32)
 
 
 def _tricks(group: ChunkGroup) -> _platform.Tricks:

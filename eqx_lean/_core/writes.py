@@ -2,15 +2,12 @@
 
 A build is planned (`plan_build`: the traced program, the target dtypes and shardings, the
 groups of leaves each compiled write returns), compiled (`compile_writes`, reused by content
-through `WriteCache`), then run on preallocated buffers (`fill`).
+through `compiled_cache.CompiledCache`), then run on preallocated buffers (`fill`).
 """
 
-import collections
 import concurrent.futures
 import functools
 import os
-import threading
-import weakref
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any, NamedTuple, cast
 
@@ -23,6 +20,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec, Sharding
 from jaxtyping import Array
 
 from .. import _compat, _platform
+from .compiled_cache import CompiledCache, on_clear, settings_key
 from .layout import (
     Layout,
     Structs,
@@ -46,6 +44,9 @@ from .program import LayerProgram, has_tracers, trace_layer
 Leaves = tuple[Array, ...]
 Shardings = tuple[Sharding | None, ...]
 
+# The compiled writes of builds, by content (`compile_writes`' key).
+WRITES = CompiledCache()
+
 
 # --- allocation -------------------------------------------------------------------------------
 
@@ -56,6 +57,9 @@ def _zeros(structs: Structs, shardings: Shardings) -> Callable[[], Leaves]:
     return jax.jit(
         lambda: tuple(zeros_like_struct(s) for s in structs), out_shardings=tuple(shardings)
     )
+
+
+on_clear(_zeros.cache_clear)
 
 
 def allocate(structs: Structs, shardings: Shardings) -> Leaves:
@@ -271,73 +275,6 @@ def _write_run(
         return lax.fori_loop(start, stop, lambda i, b: write(b, keys, consts, i), buffers)
 
     return write_layers
-
-
-def settings_key() -> Hashable:
-    """The settings that change random values or numerics without changing a traced program."""
-    config = jax.config
-    return tuple(
-        (name, str(getattr(config, name, None)))
-        for name in (
-            "jax_threefry_partitionable",
-            "jax_enable_x64",
-            "jax_default_prng_impl",
-            "jax_default_matmul_precision",
-        )
-    )
-
-
-_ALL_CACHES: "weakref.WeakSet[WriteCache]" = weakref.WeakSet()
-
-
-class WriteCache:
-    """Compiled writes by content: the traced program, the buffers, the settings, the tricks.
-
-    Bounded (least recently used entries go first) and thread-safe. It holds compiled programs
-    and hashable descriptions only: never the user's function, nor the arrays it closes over.
-    Every instance is emptied by `clear_caches`.
-    """
-
-    def __init__(self, max_entries: int = 32):
-        self.max_entries = max_entries
-        self._entries: collections.OrderedDict[Hashable, Any] = collections.OrderedDict()
-        self._lock = threading.Lock()
-        _ALL_CACHES.add(self)
-
-    def get(self, key: Hashable) -> Any | None:
-        with self._lock:
-            if key not in self._entries:
-                return None
-            self._entries.move_to_end(key)
-            return self._entries[key]
-
-    def put(self, key: Hashable, value: Any) -> None:
-        with self._lock:
-            self._entries[key] = value
-            self._entries.move_to_end(key)
-            while len(self._entries) > self.max_entries:
-                self._entries.popitem(last=False)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._entries.clear()
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-
-WRITES = WriteCache()
-
-
-def clear_caches() -> None:
-    """Forgets every compiled write `eqx_lean` keeps for reuse (for example to free memory).
-
-    Later builds compile their writes again. JAX's own caches are cleared by
-    `jax.clear_caches()`, which this does not call.
-    """
-    for cache in list(_ALL_CACHES):
-        cache.clear()
-    _zeros.cache_clear()
 
 
 def _const_sharding(plan: BuildPlan) -> Sharding | None:
