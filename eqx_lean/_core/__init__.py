@@ -8,7 +8,7 @@ scripts in `benchmarks/` may use it. It is not public API and may change between
 - `rules`: what every user rule shares: the path convention (`PATH_CONVENTION`), the error a
   failing user rule or name function is re-raised as (`rule_error`), and `TreeDtypeRule`, the
   base of dtype rules resolved against the whole tree.
-- `policy`: dtype policies of one leaf (`leaf_dtype`), the one sharding resolver
+- `sharding`: dtype policies of one leaf (`leaf_dtype`), the one sharding resolver
   (`resolve_shardings`), validator (`check_spec`) and error format; `fsdp`.
 - `dtypes`: the ready-made rules of `eqx_lean.dtypes` (by module type, by rank), resolved
   against the whole tree, and the one dtype resolver (`resolve_dtypes`).
@@ -53,7 +53,7 @@ from .layout import (
     target_structs as target_structs,
     zeros_like_struct as zeros_like_struct,
 )
-from .policy import (
+from .sharding import (
     PATH_CONVENTION as PATH_CONVENTION,
     DtypePolicy as DtypePolicy,
     KeyPath as KeyPath,

@@ -13,7 +13,7 @@ from typing import Any
 import equinox as eqx
 import jax
 
-from .policy import (
+from .sharding import (
     DtypeLike,
     DtypePolicy,
     DtypeRule,

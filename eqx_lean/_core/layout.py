@@ -11,7 +11,7 @@ from jax import lax
 from jaxtyping import Array
 
 from .dtypes import resolve_dtypes
-from .policy import DtypePolicy
+from .sharding import DtypePolicy
 
 
 Structs = tuple[jax.ShapeDtypeStruct, ...]

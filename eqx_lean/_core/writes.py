@@ -29,7 +29,7 @@ from .layout import (
     target_structs,
     zeros_like_struct as zeros_like_struct,
 )
-from .policy import (
+from .sharding import (
     DtypePolicy,
     ShardingPolicy,
     check_dtype_policy,

@@ -62,7 +62,7 @@ def resolve_load_shardings(
 ) -> list[jax.sharding.Sharding | None]:
     """Each leaf's full sharding: `sharding` per layer (stacked leaves) or per tensor (plain).
 
-    The one meaning of `sharding=` (see `eqx_lean._core.policy`): for a leaf named with `{i}` it
+    The one meaning of `sharding=` (see `eqx_lean._core.sharding`): for a leaf named with `{i}` it
     is one layer's sharding, the layer axis replicated unless `layer_axis` names mesh axes; for
     any other leaf, the whole tensor's. Without `sharding`, shardings that `like`'s
     `ShapeDtypeStruct`s carry are used, and must replicate the layer axis; those on an abstract

@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from .._core import num_layers_of_stack
 from .._core.layout import leaf_struct, stack_leaf_name
-from .._core.policy import axis_names, mesh_axis_size
+from .._core.sharding import axis_names, mesh_axis_size
 
 
 def check_num_layers(num_layers: Any) -> None:

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .._core.policy import has_explicit_axes
+from .._core.sharding import has_explicit_axes
 from .._io.safetensors import Maps
 from .._io.snapshot import Checkpoint
 from ._array import DoubleQuantizedScales, QuantizedArray, _bits, double_quantize

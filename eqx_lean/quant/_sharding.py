@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import jax
 from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
-from .._core.policy import axis_names
+from .._core.sharding import axis_names
 from ._array import DoubleQuantizedScales, is_quantized
 
 
