@@ -8,10 +8,11 @@ scripts in `benchmarks/` may use it. It is not public API and may change between
 - `rules`: what every user rule shares: the path convention (`PATH_CONVENTION`), the error a
   failing user rule or name function is re-raised as (`rule_error`), and `TreeDtypeRule`, the
   base of dtype rules resolved against the whole tree.
-- `sharding`: dtype policies of one leaf (`leaf_dtype`), the one sharding resolver
-  (`resolve_shardings`), validator (`check_spec`) and error format; `fsdp`.
-- `dtypes`: the ready-made rules of `eqx_lean.dtypes` (by module type, by rank), resolved
-  against the whole tree, and the one dtype resolver (`resolve_dtypes`).
+- `dtypes`: the dtype policy: one leaf's dtype (`leaf_dtype`, `check_dtype_policy`), the
+  ready-made rules of `eqx_lean.dtypes` (by module type, by rank), resolved against the whole
+  tree, and the one dtype resolver (`resolve_dtypes`).
+- `sharding`: the one sharding resolver (`resolve_shardings`), its validator (`check_spec`)
+  and error format, meshes (`current_mesh`, `mesh_of`), the layer axis; `fsdp`.
 - `program`: `make_layer` traced once (`trace_layer`), with a key by content.
 - `writes`: allocation, donated row writes, the build plan (`plan_build`), its compiled writes
   (`compile_writes`, cached by content in `WRITES`; `lower_writes` for inspection) and `fill`.
@@ -36,10 +37,14 @@ from .compiled_cache import (
     settings_key as settings_key,
 )
 from .dtypes import (
+    DtypePolicy as DtypePolicy,
     ForModules as ForModules,
     ForVectors as ForVectors,
+    check_dtype_policy as check_dtype_policy,
     for_modules as for_modules,
     for_vectors as for_vectors,
+    is_floating as is_floating,
+    leaf_dtype as leaf_dtype,
     resolve_dtypes as resolve_dtypes,
 )
 from .layout import (
@@ -53,36 +58,32 @@ from .layout import (
     target_structs as target_structs,
     zeros_like_struct as zeros_like_struct,
 )
-from .sharding import (
-    PATH_CONVENTION as PATH_CONVENTION,
-    DtypePolicy as DtypePolicy,
-    KeyPath as KeyPath,
-    LayerAxis as LayerAxis,
-    ShardingPolicy as ShardingPolicy,
-    TreeDtypeRule as TreeDtypeRule,
-    axis_names as axis_names,
-    check_dtype_policy as check_dtype_policy,
-    check_layer_axis as check_layer_axis,
-    check_spec as check_spec,
-    current_mesh as current_mesh,
-    describe_raised as describe_raised,
-    fsdp as fsdp,
-    has_explicit_axes as has_explicit_axes,
-    is_floating as is_floating,
-    leaf_dtype as leaf_dtype,
-    mesh_of as mesh_of,
-    per_layer_sharding as per_layer_sharding,
-    resolve_shardings as resolve_shardings,
-    rule_error as rule_error,
-    stacked_sharding as stacked_sharding,
-    stacked_shardings as stacked_shardings,
-)
 from .program import (
     LayerProgram as LayerProgram,
     aval_key as aval_key,
     closed_jaxpr_key as closed_jaxpr_key,
     has_tracers as has_tracers,
     trace_layer as trace_layer,
+)
+from .sharding import (
+    PATH_CONVENTION as PATH_CONVENTION,
+    KeyPath as KeyPath,
+    LayerAxis as LayerAxis,
+    ShardingPolicy as ShardingPolicy,
+    TreeDtypeRule as TreeDtypeRule,
+    axis_names as axis_names,
+    check_layer_axis as check_layer_axis,
+    check_spec as check_spec,
+    current_mesh as current_mesh,
+    describe_raised as describe_raised,
+    fsdp as fsdp,
+    has_explicit_axes as has_explicit_axes,
+    mesh_of as mesh_of,
+    per_layer_sharding as per_layer_sharding,
+    resolve_shardings as resolve_shardings,
+    rule_error as rule_error,
+    stacked_sharding as stacked_sharding,
+    stacked_shardings as stacked_shardings,
 )
 from .writes import (
     WRITES as WRITES,

@@ -1,4 +1,6 @@
-"""Ready-made dtype rules (`eqx_lean.dtypes`) and the one dtype resolver of the package.
+"""The dtype policy: the dtype each array leaf of a layer is stored with (`leaf_dtype`, the
+checks of `dtype=`), the ready-made rules of `eqx_lean.dtypes`, and the one dtype resolver of
+the package.
 
 A plain rule `(path, leaf) -> dtype | None` sees one leaf, so it can only match names: a rule
 looking for `"norm"` in the path misses GPT-2's `ln_1`, silently. The rules here are resolved
@@ -8,23 +10,98 @@ type, and a rule that matches nothing in that tree is an error instead of a no-o
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeAlias, TypeGuard, cast
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
+import numpy as np
 
-from .sharding import (
-    DtypeLike,
-    DtypePolicy,
+from .rules import (
+    PATH_CONVENTION,
     DtypeRule,
     KeyPath,
     TreeDtypeRule,
-    _as_floating_dtype,
-    _is_rule,
-    check_dtype_policy,
-    is_floating,
-    leaf_dtype,
+    describe_raised,
+    rule_error,
 )
+
+
+# --- the dtype of one leaf -----------------------------------------------------------------------
+
+DtypeLike: TypeAlias = Any
+DtypePolicy: TypeAlias = DtypeLike | DtypeRule | TreeDtypeRule | None
+
+
+def is_floating(dtype: Any) -> bool:
+    return jnp.issubdtype(dtype, jnp.floating)
+
+
+def _as_floating_dtype(value: Any, what: str) -> np.dtype:
+    try:
+        dtype = jnp.dtype(value)
+    except TypeError as e:
+        raise TypeError(
+            f"{what} must be a floating dtype such as jnp.bfloat16; got {value!r}."
+        ) from e
+    if not is_floating(dtype):
+        raise ValueError(
+            f"{what} must be a floating dtype such as jnp.bfloat16 (integer, boolean, complex and "
+            f"key-typed leaves are never cast); got {dtype}."
+        )
+    return dtype
+
+
+def check_dtype_policy(dtype: DtypePolicy, argument: str = "`dtype`") -> DtypePolicy:
+    """Validates a `dtype` argument (or another `argument` that takes the same forms) eagerly,
+    so a bad one fails before anything is built."""
+    if dtype is None or isinstance(dtype, TreeDtypeRule) or _is_rule(dtype):
+        return dtype
+    return _as_floating_dtype(dtype, argument)
+
+
+def _is_rule(dtype: DtypePolicy) -> TypeGuard[DtypeRule]:
+    # Dtype-likes such as `jnp.bfloat16` are callable too, so "callable" alone is not the test.
+    if not callable(dtype):
+        return False
+    try:
+        jnp.dtype(cast(Any, dtype))
+    except TypeError:
+        return True
+    return False
+
+
+def leaf_dtype(dtype: DtypePolicy, path: KeyPath, leaf: jax.ShapeDtypeStruct) -> tuple[Any, bool]:
+    """The dtype and weak type that `leaf` is stored with under the policy `dtype`.
+
+    Only floating leaves are ever cast; a cast drops the weak type, exactly as `x.astype(dtype)`.
+    """
+    weak = bool(getattr(leaf, "weak_type", False))
+    if dtype is None or not is_floating(leaf.dtype):
+        return jnp.dtype(leaf.dtype), weak
+    if isinstance(dtype, TreeDtypeRule):
+        raise TypeError(
+            f"{type(dtype).__name__} must be bound to its tree first (`resolve_dtypes`)."
+        )
+    if _is_rule(dtype):
+        try:
+            chosen = dtype(path, leaf)
+        except Exception as e:
+            raise rule_error(
+                e,
+                f"The `dtype` rule raised {describe_raised(e)} for leaf "
+                f"{jax.tree_util.keystr(path)} ({leaf.dtype}{list(leaf.shape)}). "
+                f"{PATH_CONVENTION} A dtype rule sees one layer's ShapeDtypeStruct for a "
+                "stacked leaf.",
+            ) from e
+        if chosen is None:
+            return leaf.dtype, weak
+        where = f"the `dtype` rule's result for leaf {jax.tree_util.keystr(path)}"
+        return _as_floating_dtype(chosen, where), False
+    return jnp.dtype(cast(Any, dtype)), False
+
+
+# --- rules resolved against the whole tree ---------------------------------------------------
 
 
 def _is_array_like(x: Any) -> bool:

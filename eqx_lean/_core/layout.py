@@ -10,8 +10,7 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array
 
-from .dtypes import resolve_dtypes
-from .sharding import DtypePolicy
+from .dtypes import DtypePolicy, resolve_dtypes
 
 
 Structs = tuple[jax.ShapeDtypeStruct, ...]

@@ -21,6 +21,7 @@ from jaxtyping import Array
 
 from .. import _compat, _platform
 from .compiled_cache import CompiledCache, on_clear, settings_key
+from .dtypes import DtypePolicy, check_dtype_policy, is_floating
 from .layout import (
     Layout,
     Structs,
@@ -29,16 +30,8 @@ from .layout import (
     target_structs,
     zeros_like_struct as zeros_like_struct,
 )
-from .sharding import (
-    DtypePolicy,
-    ShardingPolicy,
-    check_dtype_policy,
-    has_explicit_axes,
-    is_floating,
-    resolve_shardings,
-    stacked_sharding,
-)
 from .program import LayerProgram, has_tracers, trace_layer
+from .sharding import ShardingPolicy, has_explicit_axes, resolve_shardings, stacked_sharding
 
 
 Leaves = tuple[Array, ...]
