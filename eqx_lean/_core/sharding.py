@@ -173,6 +173,26 @@ def current_mesh(mesh: Any) -> Any:
     return None if found.empty else found
 
 
+def aval_mesh(x: Any) -> AbstractMesh | None:
+    """The abstract mesh `x`'s type names (`jax.typeof(x).sharding.mesh`; under `jit`, the one
+    a tracer carries), or `None` when it names none or an empty one."""
+    mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+    if mesh is None or mesh.empty:
+        return None
+    return mesh
+
+
+def same_mesh(a: Any, b: Any) -> bool:
+    """Whether two meshes (concrete or abstract) have the same axis names and sizes."""
+    a, b = a.abstract_mesh, b.abstract_mesh
+    return a.axis_names == b.axis_names and a.axis_sizes == b.axis_sizes
+
+
+def describe_mesh(mesh: Any) -> str:
+    """`{'data': 4, 'model': 2}`: a mesh's axes, for error messages."""
+    return "{" + ", ".join(f"{name!r}: {size}" for name, size in mesh.shape.items()) + "}"
+
+
 def mesh_of(mesh: Any, shardings: Sequence[Sharding | None]) -> Any:
     """The mesh of a call: `current_mesh(mesh)`, else that of its first `NamedSharding` (else
     `None`); the mesh `layer_axis=` names its axes in."""
@@ -216,7 +236,7 @@ def _one_leaf_sharding(
 
 def resolve_shardings(
     sharding: ShardingPolicy,
-    mesh: Mesh | None,
+    mesh: Mesh | AbstractMesh | None,
     paths: Sequence[KeyPath],
     structs: Sequence[jax.ShapeDtypeStruct],
     treedef: Any,

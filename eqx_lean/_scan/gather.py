@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec, Sharding
 from .. import _platform
 from .._compat import shard_alike
 from .._core import ShardingPolicy, has_explicit_axes, resolve_shardings
+from .._core.sharding import aval_mesh, describe_mesh, same_mesh
 from .remat import checkpointed
 
 
@@ -35,15 +36,6 @@ _GATHER_FORMS = (
 )
 
 
-def _mesh_of(leaf: Any) -> Any:
-    """The abstract mesh a stacked leaf lies on, or None when it lies on no mesh."""
-    sharding = getattr(jax.typeof(leaf), "sharding", None)
-    mesh = getattr(sharding, "mesh", None)
-    if mesh is None or mesh.empty:
-        return None
-    return mesh
-
-
 def _concrete_mesh(leaves: Sequence[Any]) -> Any:
     """The concrete mesh of the stack's leaves, when any is a concrete named-sharded array."""
     for leaf in leaves:
@@ -51,15 +43,6 @@ def _concrete_mesh(leaves: Sequence[Any]) -> Any:
             if isinstance(leaf.sharding, NamedSharding):
                 return leaf.sharding.mesh
     return None
-
-
-def _describe(mesh: Any) -> str:
-    return "{" + ", ".join(f"{name!r}: {size}" for name, size in mesh.shape.items()) + "}"
-
-
-def _same_mesh(a: Any, b: Any) -> bool:
-    a, b = a.abstract_mesh, b.abstract_mesh
-    return a.axis_names == b.axis_names and a.axis_sizes == b.axis_sizes
 
 
 def _check_gather(gather: Any) -> None:
@@ -70,7 +53,7 @@ def _check_gather(gather: Any) -> None:
 def _resolve_policy(
     gather: ShardingPolicy, paths: Sequence[Any], leaves: Sequence[Any], treedef: Any
 ) -> _Targets:
-    meshes = [_mesh_of(leaf) for leaf in leaves]
+    meshes = [aval_mesh(leaf) for leaf in leaves]
     on_mesh = [(path, m) for path, m in zip(paths, meshes, strict=True) if m is not None]
     if not on_mesh:
         raise ValueError(
@@ -80,11 +63,11 @@ def _resolve_policy(
         )
     first_path, mesh = on_mesh[0]
     for path, other in on_mesh[1:]:
-        if not _same_mesh(other, mesh):
+        if not same_mesh(other, mesh):
             raise ValueError(
                 f"`gather` is a sharding policy, which names one mesh, but the leaves of "
                 f"`stacked` lie on different meshes: {jax.tree_util.keystr(first_path)} on "
-                f"{_describe(mesh)}, {jax.tree_util.keystr(path)} on {_describe(other)}."
+                f"{describe_mesh(mesh)}, {jax.tree_util.keystr(path)} on {describe_mesh(other)}."
             )
     # Per layer, as the rule sees them in `build_stacked`: shapes without the layer axis.
     structs = [jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype) for leaf in leaves]
@@ -109,10 +92,10 @@ def _target(path: Any, leaf_mesh: Any, chosen: Sharding | None) -> NamedSharding
         )
     if not isinstance(chosen, NamedSharding):  # a fully replicated Sharding, as resolved
         return NamedSharding(leaf_mesh, PartitionSpec())
-    if not _same_mesh(chosen.mesh, leaf_mesh):
+    if not same_mesh(chosen.mesh, leaf_mesh):
         raise ValueError(
-            f"`gather` gives {where} a sharding on the mesh {_describe(chosen.mesh)}, but the "
-            f"leaf lies on the mesh {_describe(leaf_mesh)}: gather within the stack's own mesh."
+            f"`gather` gives {where} a sharding on the mesh {describe_mesh(chosen.mesh)}, but the "
+            f"leaf lies on the mesh {describe_mesh(leaf_mesh)}: gather within the stack's own mesh."
         )
     # The spec on the leaf's own (abstract) mesh: its axis types decide reshard or constraint.
     return NamedSharding(leaf_mesh, chosen.spec)
@@ -138,7 +121,7 @@ def gather_targets(dynamic: Any, gather: Gather) -> _Targets:
     if gather is False:
         return (None,) * len(leaves)
     if gather is True:
-        meshes = [_mesh_of(leaf) for leaf in leaves]
+        meshes = [aval_mesh(leaf) for leaf in leaves]
         return tuple(None if m is None else NamedSharding(m, PartitionSpec()) for m in meshes)
     return _resolve_policy(gather, paths, leaves, treedef)
 

@@ -21,14 +21,14 @@ from typing import Any
 import jax
 
 from .. import _compat
+from .._core.sharding import aval_mesh
 
 
 def _one_example(x: Any, batched: bool) -> jax.ShapeDtypeStruct:
     """`x`'s shape, dtype and (explicit) sharding, without its leading batch axis if `batched`."""
     aval = jax.typeof(x)
     sharding: Any = getattr(aval, "sharding", None)
-    mesh = getattr(sharding, "mesh", None)
-    if mesh is None or mesh.empty:
+    if aval_mesh(x) is None:
         sharding = None
     elif batched:
         spec = tuple(sharding.spec) + (None,) * (aval.ndim - len(sharding.spec))
@@ -42,8 +42,8 @@ def _mesh_of_operands(operands: Sequence[Any]) -> Any:
     if not jax.sharding.get_abstract_mesh().empty:
         return contextlib.nullcontext()
     for x in operands:
-        mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
-        if mesh is not None and not mesh.empty:
+        mesh = aval_mesh(x)
+        if mesh is not None:
             return jax.sharding.use_abstract_mesh(mesh)
     return contextlib.nullcontext()
 
