@@ -788,11 +788,12 @@ def check_new_checkpoint(world: World, target: Path, expected: dict, config: dic
 def sweep(
     tmp_path, kind, layout, write_old, new_model, save_kwargs, expected, config, load, **spec
 ):
-    """Kills a save over `layout` as `spec` says and checks every case: outside the target,
-    every file byte-identical; the target exactly the old or exactly the new checkpoint (every
-    file, link and mode), as the point of the kill requires; `load(target, state)` checks what
-    eqx_lean loads from the first case of each state (the others hold the same bytes), or from
-    every case with `load_every=True`."""
+    """Kills a save over `layout` as `spec` says and checks every case: a child to be killed in
+    the hook died there (killed, never completed, at exactly that hook call), one killed after a
+    delay may have completed first; outside the target, every file byte-identical; the target
+    exactly the old or exactly the new checkpoint (every file, link and mode), as the point of
+    the kill requires; `load(target, state)` checks what eqx_lean loads from the first case of
+    each state (the others hold the same bytes), or from every case with `load_every=True`."""
     world = make_world(tmp_path / "world", layout, write_old)
     server_spec = {k: v for k, v in spec.items() if k != "load_every"}
     complete, killed = run_faults(tmp_path, kind, world, new_model, save_kwargs, **server_spec)
@@ -809,7 +810,11 @@ def sweep(
         root = Path(case["world"])
         target = root / world.real
         where = (case["case"], case["steps"][-1:] if case["steps"] else None, case["outcome"])
-        assert case["outcome"] in ("killed", "completed"), where
+        if case["kill_at"] is None:  # killed from outside after a delay: maybe after the end
+            assert case["outcome"] in ("killed", "completed"), where
+        else:  # killed by the hook at its `kill_at`-th call, with that many calls logged
+            assert case["outcome"] == "killed", where
+            assert len(case["steps"]) == case["kill_at"], where
         assert world.outside(root) == outside, where
         if world.target != world.real:
             assert os.readlink(root / world.target) == os.readlink(world.template / world.target)
@@ -891,7 +896,7 @@ def test_save_stacked_killed_before_and_after_every_step(tmp_path, layout):
 @pytest.mark.parametrize("layout", ["hardlinks", "symlink"])
 def test_save_stacked_killed_at_every_step_full(tmp_path, layout):
     trace, killed, _ = stacked_sweep(tmp_path, layout, "all", load_every=True)
-    assert len(killed) == len(trace)
+    assert [case["kill_at"] for case in killed] == list(range(1, len(trace) + 1))
 
 
 @pytest.mark.parametrize("layout", ["plain"])
@@ -999,7 +1004,7 @@ def test_save_hf_killed_before_and_after_sampled_steps(tmp_path, layout):
 @pytest.mark.parametrize("layout", ["plain", "hardlinks", "symlink", "hf_cache"])
 def test_save_hf_killed_at_every_step_full(tmp_path, layout):
     trace, killed, _ = hf_sweep(tmp_path, layout, "all", load_every=True)
-    assert len(killed) == len(trace)
+    assert [case["kill_at"] for case in killed] == list(range(1, len(trace) + 1))
 
 
 @pytest.mark.parametrize("layout", ["plain"])
