@@ -445,6 +445,16 @@ METHODS = ("filter_jit(filter_vmap)", "filter_vmap", "build_stacked")
 # some, the worker's peak over idle comes out low by as much (tens of MiB), so such a run is
 # repeated; the worker reports the drop, normally a small growth.
 DISTURBED_FILE_RSS_DROP = 4 * MiB
+# Each worker stays under 2 GiB; this process, estimating meanwhile, under 2 GiB too.
+WORKER_BYTES = 2 * 2**30
+
+
+def _total_memory_bytes() -> int:
+    """The machine's memory in all (`MemTotal`), however much of it is in use now."""
+    for line in pathlib.Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemTotal:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("MemTotal not found in /proc/meminfo")
 
 
 def _measure_in_fresh_process(method: str, config: BlockConfig, dtype: str) -> dict:
@@ -466,11 +476,21 @@ def _measure_in_fresh_process(method: str, config: BlockConfig, dtype: str) -> d
 
 
 def test_estimates_match_fresh_process_measurements():
-    """build_stacked's overhead within 25 %, filter_vmap's peaks (eager, jitted) within 15 %."""
+    """build_stacked's overhead within 25 %, filter_vmap's peaks (eager, jitted) within 15 %.
+
+    Every figure is checked: one that memory pressure disturbed in its three runs beside the
+    other workers is measured again alone (three runs more), and one disturbed in all six fails
+    the test, as a figure that could not be checked."""
     jobs = [(m, c, d) for c, d in ACCURACY_CONFIGS for m in METHODS]
     # Several processes at a time, while this one estimates: memory is per process, and time is
     # not measured here. Each stays under 2 GiB.
     workers = max(2, min(4, os.cpu_count() or 1))
+    needed, total = (workers + 1) * WORKER_BYTES, _total_memory_bytes()
+    if total < needed:
+        pytest.skip(
+            f"this machine has {total / 2**30:.1f} GiB of memory in all (MemTotal); the test "
+            f"needs {needed / 2**30:.0f} GiB for {workers} workers and itself"
+        )
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
         futures = {job: pool.submit(_measure_in_fresh_process, *job) for job in jobs}
         estimates = {}
@@ -480,6 +500,9 @@ def test_estimates_match_fresh_process_measurements():
                 lambda k, config=config: Block(config, key=k), keys, jnp.dtype(dtype)
             )
         measured = {job: future.result() for job, future in futures.items()}
+    for job, figures in measured.items():
+        if figures["file_rss_drop_bytes"] > DISTURBED_FILE_RSS_DROP:
+            measured[job] = _measure_in_fresh_process(*job)  # alone: no other worker beside it
 
     failures, disturbed = [], []
     for config, dtype in ACCURACY_CONFIGS:
@@ -505,8 +528,10 @@ def test_estimates_match_fresh_process_measurements():
                 disturbed.append(line)
             elif abs(error) > tolerance:
                 failures.append(line)
-    assert not failures, "\n".join(failures)
     if disturbed:
-        pytest.skip(
-            "memory pressure from other processes evicted file pages:\n" + "\n".join(disturbed)
+        failures.append(
+            "not checked: memory pressure from other processes evicted file pages (a file RSS "
+            f"drop over {DISTURBED_FILE_RSS_DROP / MiB:.0f} MiB) in all 6 runs of:"
         )
+        failures += disturbed
+    assert not failures, "\n".join(failures)
