@@ -1,11 +1,13 @@
 """The package as a user installs it: a wheel of this checkout, in a fresh virtual environment,
 imported from outside the checkout, fine-tunes a tiny checkpoint with `eqx_lean.hf`.
 
-The default test is offline: the wheel is installed with `--no-index --no-deps`, and the new
-environment sees the running interpreter's packages (jax, equinox, optax...) through a `.pth`
-file of plain directories. Plain directories, because the running environment may hold an
-editable `eqx_lean` (a `.pth` pointing at a checkout): `.pth` files inside a directory added
-that way are not processed, and the test checks that `eqx_lean` comes from the new environment.
+The default test is offline: the wheel is built with `--no-index --no-build-isolation`, by the
+build backend that `pyproject.toml` names, installed here (the `test` extra holds it); it is
+installed with `--no-index --no-deps`, and the new environment sees the running interpreter's
+packages (jax, equinox, optax...) through a `.pth` file of plain directories. Plain
+directories, because the running environment may hold an editable `eqx_lean` (a `.pth` pointing
+at a checkout): `.pth` files inside a directory added that way are not processed, and the test
+checks that `eqx_lean` comes from the new environment.
 """
 
 import os
@@ -16,6 +18,7 @@ import sys
 import sysconfig
 import textwrap
 import time
+import tomllib
 
 import pytest
 
@@ -67,26 +70,44 @@ def _run(command: list[str], **kwargs) -> subprocess.CompletedProcess:
     return done
 
 
-def _has_hatchling() -> bool:
-    done = subprocess.run([sys.executable, "-c", "import hatchling"], capture_output=True)
-    return done.returncode == 0
+def _missing_build_requirements() -> list[str]:
+    """The requirements of `pyproject.toml`'s `[build-system]` that this interpreter lacks."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    missing = []
+    for text in pyproject["build-system"]["requires"]:
+        requirement = Requirement(text)
+        try:
+            version = metadata.version(requirement.name)
+        except metadata.PackageNotFoundError:
+            missing.append(f"{text} (not installed)")
+            continue
+        if not requirement.specifier.contains(version, prereleases=True):
+            missing.append(f"{text} (found {version})")
+    return missing
 
 
 @pytest.fixture(scope="module")
 def wheel_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    """One wheel of this checkout, built once for the module's tests."""
+    """One wheel of this checkout, built once for the module's tests, offline: a build that
+    fails, or cannot start for want of the build backend, fails the tests."""
+    missing = _missing_build_requirements()
+    assert not missing, (
+        f"the build backend of pyproject.toml is not installed: {', '.join(missing)}. The wheel "
+        "is built offline (pip wheel --no-build-isolation), so it must be; the `test` extra "
+        "installs it"
+    )
     out = tmp_path_factory.mktemp("wheel")
-    command = [sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(out), str(ROOT)]
-    if _has_hatchling():  # the `test` extra installs it: no index needed
-        command.insert(4, "--no-build-isolation")
-    # Else pip fetches hatchling into an isolated build environment from its configured
-    # indexes; where there are none reachable the test is skipped, not failed.
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    if done.returncode != 0 and "--no-build-isolation" not in command:
-        pytest.skip(
-            "hatchling is not installed (it is in the `test` extra) and pip could not fetch it "
-            f"for an isolated build:\n{done.stderr[-2000:]}"
-        )
+    offline = ["--no-deps", "--no-index", "--no-build-isolation"]
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", *offline, "-w", str(out), str(ROOT)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     wheels = list(out.glob("eqx_lean-*.whl"))
     assert len(wheels) == 1, wheels
