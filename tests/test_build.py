@@ -115,6 +115,7 @@ PARITY_CASES = [(make, dtype) for make in LAYERS for dtype in (None, jnp.bfloat1
 ]
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("make_layer, dtype", PARITY_CASES)
 def test_bitwise_parity_with_filter_vmap(make_layer, dtype):
     keys = jax.random.split(jax.random.key(1), 5)

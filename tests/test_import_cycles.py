@@ -15,6 +15,9 @@ from pathlib import Path
 import pytest
 
 
+pytestmark = pytest.mark.quick
+
+
 PACKAGE = Path(__file__).resolve().parents[1] / "eqx_lean"
 
 

@@ -131,6 +131,7 @@ def run_script(code: str, tmp_path: Path, devices: int = 8) -> str:
 # Round trips
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32, keep_norm_f32])
 def test_round_trip_is_bitwise_exact(dtype, tmp_path):
     stacked, like = build(4, dtype)
@@ -162,6 +163,7 @@ def test_round_trip_through_several_files_with_index(tmp_path):
     assert_bitwise_equal(eqx_lean.load_stacked(tmp_path / "ckpt", like, hf_names), stacked)
 
 
+@pytest.mark.quick
 def test_saved_files_are_read_by_safetensors_itself(tmp_path):
     stacked, _ = build(3, keep_norm_f32)
     eqx_lean.save_stacked(tmp_path / "ckpt", stacked, hf_names, max_shard_bytes=400)

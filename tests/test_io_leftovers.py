@@ -50,6 +50,7 @@ def dead_save_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
 # Killed and running saves
 
 
+@pytest.mark.quick
 def test_a_killed_save_s_directory_is_warned_about_then_removed(tmp_path):
     ckpt = tmp_path / "ckpt"
     save(ckpt)

@@ -133,6 +133,7 @@ def test_config_errors():
 # --- forward parity ---------------------------------------------------------------------------
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_float32_logits_match_transformers(name, tmp_path):
     hf = hf_model(**CONFIGS[name])

@@ -278,6 +278,7 @@ CASES = [
 ]  # fmt: skip
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(("name", "targets", "rslora"), CASES)
 def test_peft_saved_adapters_load_and_give_peft_logits(name, targets, rslora, tmp_path):
     hf, base = base_checkpoint(tmp_path, name)

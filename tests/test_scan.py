@@ -91,6 +91,7 @@ def mlp():
     return stacked, x, expected
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("remat", REMATS)
 def test_fold_mlp_matches_loop(mlp, remat):
     stacked, x, expected = mlp
@@ -237,6 +238,7 @@ def loop_loss(stacked, x):
     return jnp.sum(jnp.sin(loop_fold(stacked, x)))
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(
     "remat",
     [

@@ -218,6 +218,7 @@ def test_plan_equals_xla_memory_analysis_for_the_target():
     assert "fits" in str(plan) and "8xh100" in str(plan)
 
 
+@pytest.mark.quick
 @needs_gpu_plugin
 def test_gpu_plan_over_memory_does_not_fit():
     target = eqx_lean.memory.target("a100-40gb")
