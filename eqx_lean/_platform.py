@@ -8,15 +8,15 @@ the platform it is compiled for (`Tricks.for_platform`), never globally:
   (4x a float32 leaf in temporaries); JAX's GPU and TPU lowerings are unrolled already, and the
   override would add two `while` loops there (for key arithmetic).
 - `licm_off`: compile the writes without loop-invariant code motion, which on XLA:CPU hoists
-  the fused draw's leaf-sized counters out of the loop over layers (448 MiB instead of 1 KiB
-  for a Mistral-7B MLP write).
+  the fused draw's leaf-sized counters out of the loop over layers and materialises them, where
+  the fused write needs a few KiB of temporaries.
 - `bit_writes`: write floating rows as unsigned-integer bits; XLA:CPU updates bfloat16 in place
   several times slower than `uint16`.
 - `layer_runs`: each call of a compiled write fills a run of layers in a loop, so that XLA:CPU
   allocates (and the kernel zeroes) its temporaries once per run rather than once per layer
-  (about a fifth of a build's time). On an H100 target the loop costs a copy of the whole
-  donated group for initialisers that change layouts (a QR: 168 MiB instead of 21 MiB for the
-  default bench's orthogonal block), so elsewhere each call writes one layer, without a loop.
+  (page faults that were a large part of a build's time). On an H100 target the loop costs a
+  copy of the whole donated group for initialisers that change layouts (a QR), so elsewhere
+  each call writes one layer, without a loop.
 - `trim_host_heap`: `malloc_trim` after each write, so glibc returns XLA:CPU's freed
   temporaries to the system (CPU programs with glibc only: elsewhere temporaries live in the
   device's own pool).
@@ -28,8 +28,10 @@ the platform it is compiled for (`Tricks.for_platform`), never globally:
   CPU buffers (`host_view`), which is host memory: no compiled write, no staged copy. Elsewhere
   device memory is not host memory, and loads use compiled, donated chunk writes.
 
-The H100-target figures that decide the non-CPU side are in `docs/benchmarks.md`
-(`benchmarks/gpu_target.py`).
+The measurements behind each trick are in `docs/benchmarks.md`: the CPU side in "Building
+stacked layers" (its list "What brought it there" and the section "Loop-invariant code motion
+in the writes"), the H100-target figures that decide the non-CPU side in "Compiled for an H100
+without a GPU" (`benchmarks/gpu_target.py`).
 """
 
 import ctypes
