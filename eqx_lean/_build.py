@@ -129,8 +129,8 @@ def build_stacked(
     the arrays `make_layer` closes over are traced) the layers are written by a
     `lax.fori_loop`, so the trace holds one copy of `make_layer` whatever `L` is. There the
     outer `jit` lowers the draws, with JAX's own Threefry: on CPU the loops then carry its
-    temporaries (96 MiB for four layers of one 16 MiB float32 matrix, against 18 KiB for the
-    writes of an eager call).
+    temporaries, several times the largest leaf, where the writes of an eager call need a few
+    KiB ([benchmarks](../benchmarks.md#build_stacked-inside-an-outer-jit)).
 
     **Arguments:**
 
