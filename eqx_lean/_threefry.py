@@ -7,7 +7,8 @@ float32 values therefore needs about `4 n` x 4 bytes of temporaries (both halves
 going in, both halves of the state, the bits coming out). Unrolled, as JAX lowers it on every
 other platform, the hash is elementwise arithmetic on an iota, which XLA fuses with the
 conversion to floats, the cast and the in-place `dynamic_update_slice` of `build_stacked`'s
-writes: the draw needs no temporaries at all, and runs 2.6x (normal) to 6x (uniform) faster.
+writes: the draw needs no temporaries at all, and runs faster (the figures are in
+`docs/benchmarks.md`, "Building stacked layers", "Draws fused into the writes").
 
 Only draws are unrolled. Key arithmetic (`split`, `fold_in`: a few counters) stays a loop, so
 that it is computed once instead of being fused into, and recomputed for each element of, the
@@ -90,9 +91,10 @@ def _hash_for_lowering(key1: Array, key2: Array, x1: Array, x2: Array) -> tuple[
 
     A derived key (a row of `split(key, 9)`, say) feeds a draw as a scalar. Unrolled, XLA fuses
     its hash into the draw's loop, where it is recomputed for every element unless LLVM hoists
-    it out, which it does or not depending on unrelated constants: a Mistral-7B MLP write of
-    3 layers took 7 s instead of 0.5 s for 2. A loop cannot be fused (an optimisation barrier
-    did not stop XLA:CPU), so as a loop it is computed once, as with JAX's own lowering.
+    it out, which it does or not depending on unrelated constants, so that a write of one
+    number of layers can take many times as long as one of another (`docs/benchmarks.md`,
+    "Draws fused into the writes"). A loop cannot be fused (an optimisation barrier did not
+    stop XLA:CPU), so as a loop it is computed once, as with JAX's own lowering.
     """
     if x1.size >= _FUSED_MIN_COUNTERS:
         return threefry2x32_unrolled(key1, key2, x1, x2)
