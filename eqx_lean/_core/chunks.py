@@ -170,8 +170,8 @@ def _host_zeros(targets: Sequence[Target], pool: concurrent.futures.Executor) ->
 
     Each shard is its own `host_zeros`, spread over `pool`'s threads: a fresh buffer's first
     touch (the kernel's page faults, inside PJRT's copy of the zeros) is most of a CPU load's
-    time, and two threads fault 1.7-1.9x as fast as one on the 2-core machine
-    (`docs/benchmarks.md`, "The copying load against a plain copy").
+    time, and two threads fault pages in faster than one (`docs/benchmarks.md`, "The copying
+    load against a plain copy").
     """
     specs = [_shard_specs(target) for target in targets]
     made = iter(list(pool.map(lambda spec: _platform.host_zeros(*spec), itertools.chain(*specs))))
