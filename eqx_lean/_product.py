@@ -24,10 +24,10 @@ def _low_precision_rows(x: Array, weight: Array) -> Array:
     """`_accumulated_product` for 16-bit operands, a single row padded to two on CPU.
 
     XLA:CPU lowers a 16-bit matrix-vector dot (one row, as each step of generation) by first
-    copying the whole weight to float32: XLA's CPU plan of one Mistral-7B decode step had
-    1.33 GiB of temporaries in bfloat16 (a float32 copy of each matrix, 500 MiB for the head),
-    and 621 MiB with NF4 projections. With two rows it reads the weight as it is. Rows are
-    independent, so the padding row changes nothing but the kernel.
+    copying the whole weight to float32 (for a Mistral-7B head, a 500 MiB copy). With two rows
+    it reads the weight as it is. Rows are independent, so the padding row changes nothing but
+    the kernel. XLA's plan of a Mistral-7B decode step before and after: `docs/benchmarks.md`,
+    "QLoRA: the same step on an NF4 base".
     """
     if math.prod(x.shape[:-1]) != 1:
         return _accumulated_product(x, weight)
@@ -67,8 +67,8 @@ def linear_product(
 
     For bfloat16 operands this is torch's CPU semantics (float32 accumulation, one rounding of
     the output), and on XLA:CPU it is also what keeps the product lean: a plain bfloat16 dot
-    is lowered by first copying the weight to float32 (16 MiB of temporaries for a 2048 x 2048
-    matrix), whereas a dot asked for a float32 result reads the bfloat16 weight as it is. The
+    is lowered by first copying the weight to float32 (a 16 MiB copy of a 2048 x 2048 matrix),
+    whereas a dot asked for a float32 result reads the bfloat16 weight as it is. The
     gradients of a 16-bit product are computed the same way (a custom VJP), so forward-mode
     differentiation (`jax.jvp`) of a bfloat16 model is not supported; float32 models take
     JAX's own derivatives.
