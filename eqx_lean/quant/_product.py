@@ -7,17 +7,18 @@ accumulates in float32 (as `linear_product`).
 Evaluated (not differentiated) on CPU, as in generation, the weight is decoded and used a slice
 of rows at a time (about a million values: 2 MiB of bfloat16, whole bytes and blocks), so the
 decoded weight never exists whole: XLA:CPU cannot fuse decoding into a dot, and a whole decoded
-matrix is a temporary of up to 117 MiB (14336 x 4096). XLA's CPU plan of a Mistral-7B NF4
-forward of 8 tokens has 0.06 GiB of temporaries this way against 0.35 GiB whole. Each output
-is still one float32 dot over the whole input axis, but XLA:CPU orders a dot's sum by its
-shape: a bfloat16 output is the same as the whole product's (tested), a float32 one may differ
-in its last bits. Elsewhere (GPU, TPU), the weight is decoded whole, as XLA plans it there.
+matrix is a temporary of its own (112 MiB for a 14336 x 4096 matrix in bfloat16). XLA's CPU
+plan of a Mistral-7B NF4 forward, sliced against whole, is in `docs/benchmarks.md`, "QLoRA: the
+same step on an NF4 base". Each output is still one float32 dot over the whole input axis, but
+XLA:CPU orders a dot's sum by its shape: a bfloat16 output is the same as the whole product's
+(tested), a float32 one may differ in its last bits. Elsewhere (GPU, TPU), the weight is decoded
+whole, as XLA plans it there.
 
 Differentiated (training), the weight is decoded whole and kept for the backward pass's
 `dy W` within the layer: decoding again there would add a third decoding per step to the
-forward and the rematerialised one, and slices make the dots smaller and slower (measured:
-a 256 x 4096 by 4096 x 14336 NF4 product and its gradient took 0.44 s in slices of 1 Mi values
-against 0.25 s whole). The weight gets no gradient (its leaves are integers).
+forward and the rematerialised one, and slices make the dots smaller and slower (the figures
+are in the same section of `docs/benchmarks.md`). The weight gets no gradient (its leaves are
+integers).
 """
 
 import math
