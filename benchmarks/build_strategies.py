@@ -56,7 +56,7 @@ def main() -> None:
     plan = _core.plan_build(make, keys, jnp.bfloat16)
     structs = plan.structs
     every_leaf = plan._replace(groups=(_core.Group(tuple(range(len(structs))), plan.shardings),))
-    final = sum(s.size * s.dtype.itemsize for s in structs)
+    final = _core.tree_bytes(structs)
     print(f"{config}: final {final / MiB:.0f} MiB in bfloat16\n")
     print(
         "| strategy | XLA temp, JAX's Threefry | XLA temp, unrolled (used) | aliased "

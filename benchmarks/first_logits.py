@@ -76,6 +76,7 @@ def eqx_worker(checkpoint: str, file_backed: bool, cache: str | None) -> dict:
     import jax.numpy as jnp
 
     import eqx_lean
+    from eqx_lean._core import tree_bytes
     from eqx_lean.hf import load_hf
 
     if cache:
@@ -89,7 +90,7 @@ def eqx_worker(checkpoint: str, file_backed: bool, cache: str | None) -> dict:
     ids = jnp.asarray([_tokens(model.config.vocab_size)], dtype=jnp.int32)
     logits = np.asarray(eqx.filter_jit(lambda m, i: m(i))(model, ids))
     done = time.perf_counter()
-    nbytes = sum(x.nbytes for x in jax.tree.leaves(eqx.filter(model, eqx.is_array)))
+    nbytes = tree_bytes(model)
     return _result((start, loaded, done), logits, nbytes, before)
 
 

@@ -74,13 +74,6 @@ def _host_rss(field: str = "VmHWM") -> int:
     raise RuntimeError(field)
 
 
-def _nbytes(tree: Any) -> int:
-    import equinox as eqx
-    import jax
-
-    return sum(x.nbytes for x in jax.tree.leaves(eqx.filter(tree, eqx.is_array)))
-
-
 def _block_names(path: Any, leaf: Any) -> str:
     import jax
 
@@ -103,13 +96,15 @@ def _make_blocks(preset: str, method: str) -> tuple[Any, Any]:
 def case_build(method: str, preset: str) -> dict[str, Any]:
     import jax
 
+    from eqx_lean._core import tree_bytes
+
     make, (build, keys, dtype) = _make_blocks(preset, method)
     idle = _gpu_stats()
     start = time.perf_counter()
     blocks = jax.block_until_ready(build(make, keys, dtype))
     seconds = time.perf_counter() - start
     after = _gpu_stats()
-    final = _nbytes(blocks)
+    final = tree_bytes(blocks)
     result: dict[str, Any] = {"final_bytes": final, "seconds": seconds}
     if idle["peak"] is not None and after["peak"] is not None:
         result["peak_over_idle_bytes"] = after["peak"] - idle["in_use"]
@@ -138,6 +133,7 @@ def case_load(preset: str) -> dict[str, Any]:
     import jax
 
     import eqx_lean
+    from eqx_lean._core import tree_bytes
 
     make, (_, keys, dtype) = _make_blocks(preset, "build_stacked")
     if not CHECKPOINT.exists():
@@ -149,7 +145,7 @@ def case_load(preset: str) -> dict[str, Any]:
     blocks = jax.block_until_ready(eqx_lean.load_stacked(CHECKPOINT, like, _block_names))
     seconds = time.perf_counter() - start
     after = _gpu_stats()
-    final = _nbytes(blocks)
+    final = tree_bytes(blocks)
     return {
         "final_bytes": final,
         "seconds": seconds,
@@ -165,13 +161,14 @@ def save_checkpoint(preset: str) -> dict[str, Any]:
     import jax
 
     import eqx_lean
+    from eqx_lean._core import tree_bytes
 
     make, (_, keys, dtype) = _make_blocks(preset, "build_stacked")
     blocks = jax.block_until_ready(eqx_lean.build_stacked(make, keys, dtype))
     shutil.rmtree(CHECKPOINT, ignore_errors=True)
     start = time.perf_counter()
     eqx_lean.save_stacked(CHECKPOINT, blocks, _block_names)
-    return {"bytes": _nbytes(blocks), "seconds": time.perf_counter() - start}
+    return {"bytes": tree_bytes(blocks), "seconds": time.perf_counter() - start}
 
 
 def _shape(spec: str) -> tuple[int, int]:
@@ -185,6 +182,7 @@ def case_lora(preset: str, spec: str, steps: int = 5) -> dict[str, Any]:
     import jax.numpy as jnp
 
     sys.path.insert(0, str(_REPO))
+    from eqx_lean._core import tree_bytes
     from eqx_lean.hf import MistralConfig, init
     from eqx_lean.hf._adapters import TARGETS
     from eqx_lean.hf._finetune import make_lora_step
@@ -221,8 +219,8 @@ def case_lora(preset: str, spec: str, steps: int = 5) -> dict[str, Any]:
         seconds.append(time.perf_counter() - start)
     peak = _gpu_stats()["peak"]
     return {
-        "base_bytes": _nbytes(frozen),
-        "adapter_bytes": _nbytes(adapters),
+        "base_bytes": tree_bytes(frozen),
+        "adapter_bytes": tree_bytes(adapters),
         "build_seconds": build_seconds,
         "build_peak_over_idle_bytes": build_peak,
         "resident_before_step_bytes": _minus(resident, idle["in_use"]),

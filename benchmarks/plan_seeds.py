@@ -12,7 +12,6 @@ the training steps. `JAX_PLATFORMS=cpu` must be set before JAX starts (see `docs
 """
 
 import argparse
-import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -26,6 +25,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 import eqx_lean
 import eqx_lean.hf as hf
 from eqx_lean import lora
+from eqx_lean._core import struct_bytes
 from eqx_lean.memory import plan, target
 
 
@@ -56,9 +56,10 @@ def plan_row(name: str, p: Any, note: str = "") -> None:
     row(name, p.target, p.peak, p.device_memory, p.compile_seconds, note)
 
 
-def nbytes(tree: Any) -> int:
+def bytes_without_keys(tree: Any) -> int:
+    """The bytes of `tree`'s leaves (arrays, structs or abstract values), key arrays left out."""
     return sum(
-        math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+        struct_bytes(x)
         for x in jax.tree.leaves(tree)
         if not jnp.issubdtype(x.dtype, jax.dtypes.extended)
     )
@@ -264,7 +265,7 @@ def neox_train() -> None:
     plan_row(
         "adam step, fold(remat), 256x1024 tokens",
         p,
-        f"params {nbytes(blocks) / len(where.devices) / GiB:.2f} GiB/device",
+        f"params {bytes_without_keys(blocks) / len(where.devices) / GiB:.2f} GiB/device",
     )
 
 
@@ -317,7 +318,7 @@ def llama70b_lora() -> None:
         plan_row(
             "make_lora_step, r=16 x7, remat, 1x1024",
             p,
-            f"base {nbytes(frozen) / GiB:.1f} GiB in all",
+            f"base {bytes_without_keys(frozen) / GiB:.1f} GiB in all",
         )
 
 
@@ -366,7 +367,12 @@ def haiku_attention() -> None:
     # liveness analysis holds, not counting each op's own temporaries.
     start = time.perf_counter()
     jaxpr = jax.make_jaxpr(_attention_init)(jax.random.key(0)).jaxpr
-    outs = sum(nbytes([v.aval]) for eqn in jaxpr.eqns for v in eqn.outvars if hasattr(v, "aval"))
+    outs = sum(
+        bytes_without_keys([v.aval])
+        for eqn in jaxpr.eqns
+        for v in eqn.outvars
+        if hasattr(v, "aval")
+    )
     seconds = time.perf_counter() - start
     row(
         "un-jitted init (dispatched outputs summed)",

@@ -199,13 +199,6 @@ def _activations(small: bool, mesh: Any, seed: int = 1) -> Any:
     )
 
 
-def _nbytes(tree: Any) -> int:
-    import equinox as eqx
-    import jax
-
-    return sum(x.nbytes for x in jax.tree.leaves(eqx.filter(tree, eqx.is_array)))
-
-
 def _summed(plan: Any) -> dict[str, int]:
     """A plan's per-device figures, summed over its devices."""
     n = plan.num_devices
@@ -308,9 +301,10 @@ class Load(Case):
 
     def plan(self, inputs: Any, result: Any) -> dict[str, Any]:
         import eqx_lean
+        from eqx_lean._core import struct_bytes, tree_bytes
         from eqx_lean._io.load import _CHUNK_BYTES
 
-        loaded = _nbytes(result)
+        loaded = tree_bytes(result)
         # On CPU the loader compiles nothing: it allocates the final buffers from host zeros
         # and copies each device's slice of each layer into them, staging at most two chunks
         # (`_Staging`'s two slots) where a slice is not contiguous or aligned.
@@ -321,7 +315,7 @@ class Load(Case):
         assert self.directory is not None
         for name, struct in eqx_lean.checkpoint_tensors(self.directory).items():
             layer = name.split(".")[2]
-            layers[layer] = layers.get(layer, 0) + struct.size * struct.dtype.itemsize
+            layers[layer] = layers.get(layer, 0) + struct_bytes(struct)
         return {
             "devices": DEVICES,
             "output": loaded,
@@ -460,6 +454,8 @@ def measure_case(name: str, small: bool, directory: Path | None) -> dict[str, An
     """Runs one case in this (fresh) process: idle, the measured call, then its plan."""
     import jax
 
+    from eqx_lean._core import tree_bytes
+
     case = CLASSES[name](small, directory)
     jax.devices()
     inputs = case.inputs()
@@ -478,7 +474,7 @@ def measure_case(name: str, small: bool, directory: Path | None) -> dict[str, An
     anon = sampler.anon_peak - idle["RssAnon"]
     return {
         "case": name,
-        "final": _nbytes(result),
+        "final": tree_bytes(result),
         **{f"plan_{k}": v for k, v in planned.items()},
         "predicted": predicted,
         "anon_predicted": anon_predicted,

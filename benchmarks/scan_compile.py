@@ -56,6 +56,7 @@ def _worker(spec: dict[str, Any]) -> dict[str, Any]:
     import jax.numpy as jnp
 
     import eqx_lean
+    from eqx_lean._core import tree_bytes
 
     config = spec["config"]
     dim, hidden, heads, tokens, batch = (
@@ -142,7 +143,7 @@ def _worker(spec: dict[str, Any]) -> dict[str, Any]:
         total_s=compiled_at - start,
         total_cpu_s=compiled_cpu - start_cpu,
         temp_bytes=compiled.memory_analysis().temp_size_in_bytes,  # pyright: ignore
-        param_bytes=sum(s.size * s.dtype.itemsize for s in jax.tree.leaves(dynamic_structs)),
+        param_bytes=tree_bytes(dynamic_structs),
         carry_bytes=batch * tokens * dim * 4,
     )
     if spec.get("run"):

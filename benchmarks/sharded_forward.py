@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import eqx_lean
+from eqx_lean._core import tree_bytes
 from eqx_lean.bench._models import PRESETS, Block, BlockConfig
 
 
@@ -55,10 +56,6 @@ def stack_structs(config: BlockConfig, num_layers: int, mesh: Any) -> Any:
     return jax.tree_util.tree_map_with_path(stacked, layer)
 
 
-def nbytes(tree: Any) -> int:
-    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
-
-
 def forward_memory(devices: int, axis_type: AxisType, config: BlockConfig = CONFIG) -> dict:
     """Per-device bytes of the compiled forward, and the bar they must stay under."""
     mesh = jax.make_mesh((devices,), ("data",), (axis_type,), devices=jax.devices()[:devices])
@@ -73,7 +70,7 @@ def forward_memory(devices: int, axis_type: AxisType, config: BlockConfig = CONF
 
     analysis = jax.jit(forward).lower(dynamic, x).compile().memory_analysis()
     assert analysis is not None  # XLA:CPU always reports it
-    stack_bytes = nbytes(dynamic)
+    stack_bytes = tree_bytes(dynamic)
     layer_bytes = stack_bytes // NUM_LAYERS
     total = (
         analysis.argument_size_in_bytes

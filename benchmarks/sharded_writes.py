@@ -19,7 +19,6 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import AxisType
 
 import eqx_lean
@@ -49,16 +48,13 @@ def report(name: str, make_layer, devices: int, axis_type: AxisType) -> None:
     keys = jax.random.split(jax.random.key(0), 4)
     mesh = jax.make_mesh((devices,), ("data",), (axis_type,), devices=jax.devices()[:devices])
     plan = _core.plan_build(make_layer, keys, jnp.bfloat16, eqx_lean.fsdp(mesh))
-    layer_bytes = sum(s.size * s.dtype.itemsize for s in plan.layout.structs)
+    layer_bytes = _core.tree_bytes(plan.layout.structs)
     bound = 3 * layer_bytes / devices + MiB
     compiled = _core.compile_writes(plan)
     jax_temps = _temps_with_jax_lowering(plan)
     for group, executable, jax_temp in zip(plan.groups, compiled, jax_temps, strict=True):
         analysis = _core.memory_analysis(executable)
-        shard = sum(
-            int(np.prod(s.sharding.shard_shape(s.shape))) * s.dtype.itemsize
-            for s in plan.buffer_structs(group)
-        )
+        shard = sum(_core.shard_bytes(s) for s in plan.buffer_structs(group))
         met = analysis.alias_size_in_bytes == shard and analysis.temp_size_in_bytes <= bound
         print(
             f"| {name} | {devices} | {axis_type.name} | {len(group.leaves)} | {_bytes(shard)} "

@@ -1,5 +1,6 @@
 """How a layer splits into stacked array leaves and everything else, and what stacking it needs."""
 
+import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -8,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import Sharding
 from jaxtyping import Array
 
 from .dtypes import DtypePolicy, resolve_dtypes
@@ -27,8 +29,56 @@ def struct_of(x: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(np.shape(x), x.dtype, weak_type=bool(getattr(x, "weak_type", 0)))
 
 
-def nbytes(struct: Any) -> int:
-    return int(np.prod(struct.shape)) * np.dtype(struct.dtype).itemsize
+def struct_bytes(x: Any) -> int:
+    """The bytes of one array: its size times its dtype's item size.
+
+    **Arguments:**
+
+    - `x`: anything with a `shape` and a `dtype`: an array (JAX or NumPy), a
+        `jax.ShapeDtypeStruct`, an abstract value of a jaxpr. Key dtypes count their key data
+        (8 bytes a key for Threefry).
+
+    **Returns:**
+
+    The bytes of all of `x`, whatever its sharding (see `shard_bytes` for one device's share).
+    """
+    return math.prod(np.shape(x)) * x.dtype.itemsize
+
+
+def shard_bytes(x: Any, sharding: Sharding | None = None) -> int:
+    """The bytes of one device's shard of an array.
+
+    **Arguments:**
+
+    - `x`: an array or a `jax.ShapeDtypeStruct` (anything `struct_bytes` takes).
+    - `sharding`: how `x` is split; `None` takes `x`'s own `sharding` attribute.
+
+    **Returns:**
+
+    The bytes of the shard `sharding.shard_shape(x.shape)`; all of `x`'s bytes where there is
+    no sharding at all (replicated leaves count in full).
+    """
+    if sharding is None:
+        sharding = getattr(x, "sharding", None)
+    if sharding is None:
+        return struct_bytes(x)
+    return math.prod(sharding.shard_shape(np.shape(x))) * x.dtype.itemsize
+
+
+def tree_bytes(tree: Any) -> int:
+    """The bytes of every array leaf of a pytree.
+
+    **Arguments:**
+
+    - `tree`: a pytree (a model, a sequence of structs, `None`). Its arrays (JAX or NumPy) and
+        `jax.ShapeDtypeStruct`s count; any other leaf (a Python number, a function, a string)
+        is not an array and counts nothing.
+
+    **Returns:**
+
+    The sum of `struct_bytes` over those leaves: their logical bytes, whatever their sharding.
+    """
+    return sum(struct_bytes(x) for x in jax.tree.leaves(tree) if is_array_like(x))
 
 
 class Layout(NamedTuple):
@@ -169,7 +219,7 @@ def leaf_groups(structs: Sequence[jax.ShapeDtypeStruct]) -> tuple[tuple[int, ...
     """
     if not structs:
         return ()
-    sizes = [nbytes(s) for s in structs]
+    sizes = [struct_bytes(s) for s in structs]
     budget = max(sizes)
     groups: list[list[int]] = []
     totals: list[int] = []

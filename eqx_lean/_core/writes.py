@@ -13,7 +13,6 @@ from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.extend import core as jcore
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec, Sharding
@@ -28,6 +27,7 @@ from .layout import (
     leaf_groups,
     num_layers_of_keys,
     target_structs,
+    tree_bytes,
     zeros_like_struct as zeros_like_struct,
 )
 from .program import LayerProgram, has_tracers, trace_layer
@@ -391,7 +391,7 @@ def layers_per_call(plan: BuildPlan) -> int:
     """
     if not _platform.Tricks.for_platform(plan.platform).layer_runs:
         return 1
-    stack_bytes = sum(s.size * np.dtype(s.dtype).itemsize for s in plan.structs)
+    stack_bytes = tree_bytes(plan.structs)
     per_call = _BYTES_PER_CALL * plan.num_layers // max(stack_bytes, 1)
     return max(1, min(plan.num_layers, per_call))
 

@@ -1,7 +1,6 @@
 """Saving: models with stacked layers to safetensors files, one tensor at a time."""
 
 import json
-import math
 import os
 import struct
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -14,7 +13,7 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array
 
-from .._core import Layout, as_bits, is_floating
+from .._core import Layout, as_bits, is_floating, struct_bytes
 from .._core.chunk_plan import bounded
 from . import directory, fs, owned
 from .carry import OtherWeights
@@ -53,7 +52,7 @@ class _Record(NamedTuple):
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
+        return struct_bytes(self)
 
 
 def _inverse(axes: tuple[int, ...] | None) -> tuple[int, ...] | None:

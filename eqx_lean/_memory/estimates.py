@@ -2,7 +2,6 @@
 
 import concurrent.futures
 import dataclasses
-import math
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -41,10 +40,6 @@ _CPU_JIT_RETAINED = 108 * MiB
 # heaps, whose top it keeps after a free (`malloc_trim` trims only the main heap's top). Where a
 # write's temporaries are this small, the previous write's were found still resident.
 _GLIBC_MMAP_THRESHOLD_MAX = 32 * MiB
-
-
-def _nbytes(struct: Any) -> int:
-    return math.prod(struct.shape) * struct.dtype.itemsize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,7 +194,7 @@ _EAGER_TEMP_MIN_OUTPUT = MiB
 
 def _dispatch_key(eqn: Any) -> Any | None:
     """Identifies an operation whose eager dispatch may need temporaries; `None` for the rest."""
-    if eqn.effects or sum(_nbytes(v.aval) for v in eqn.outvars) < _EAGER_TEMP_MIN_OUTPUT:
+    if eqn.effects or sum(_core.struct_bytes(v.aval) for v in eqn.outvars) < _EAGER_TEMP_MIN_OUTPUT:
         return None
     structs = tuple(_struct_of(v.aval) for v in eqn.invars if not isinstance(v, jcore.Literal))
     return (eqn.primitive.name, str(eqn.params), structs)
@@ -251,7 +246,9 @@ def _eager_peak(jaxpr: Any, temps: dict[Any, int], cast_bytes: int) -> int:
     live: dict[Any, int] = {}
     peak = 0
     for i, eqn in enumerate(jaxpr.eqns):
-        produced = {v: _nbytes(v.aval) for v in eqn.outvars if not isinstance(v, jcore.DropVar)}
+        produced = {
+            v: _core.struct_bytes(v.aval) for v in eqn.outvars if not isinstance(v, jcore.DropVar)
+        }
         temp = temps.get(_dispatch_key(eqn), 0)
         peak = max(peak, sum(live.values()) + sum(produced.values()) + temp)
         live.update(produced)
@@ -266,7 +263,7 @@ def _eager_peak(jaxpr: Any, temps: dict[Any, int], cast_bytes: int) -> int:
 
 def _cast_bytes(plan: Any) -> int:
     return sum(
-        _nbytes(target)
+        _core.struct_bytes(target)
         for target, built in zip(plan.structs, plan.layout.structs, strict=True)
         if target.dtype != built.dtype
     )
@@ -366,7 +363,7 @@ def estimate(
         jit_peak += _CPU_JIT_RETAINED
         eager_peak += _CPU_EAGER_RETAINED
     num_layers = int(keys.shape[0])
-    layer_bytes = sum(_nbytes(s) for s in plan.layout.structs)
+    layer_bytes = _core.tree_bytes(plan.layout.structs)
     return MemoryEstimate(
         num_layers=num_layers,
         platform=platform,

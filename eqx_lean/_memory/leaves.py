@@ -1,7 +1,6 @@
 """Every leaf's dtype and sharding, as a build would choose them, before anything is built."""
 
 import dataclasses
-import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -47,11 +46,6 @@ def _describe_spec(sharding: Sharding | None) -> str:
     if isinstance(sharding, NamedSharding) and any(e is not None for e in sharding.spec):
         return str(sharding.spec).replace("PartitionSpec", "P")
     return "replicated"
-
-
-def _nbytes_per_device(struct: jax.ShapeDtypeStruct, sharding: Sharding | None) -> int:
-    shape = struct.shape if sharding is None else sharding.shard_shape(struct.shape)
-    return math.prod(shape) * np.dtype(struct.dtype).itemsize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,8 +116,8 @@ def leaf_report(plan: Any) -> LeafReport:
                 built_dtype=str(np.dtype(built.dtype)),
                 stored_dtype=str(np.dtype(stored.dtype)),
                 sharding=_describe_spec(sharding),
-                nbytes=_nbytes_per_device(stored, None),
-                nbytes_per_device=_nbytes_per_device(stored, stacked),
+                nbytes=_core.struct_bytes(stored),
+                nbytes_per_device=_core.shard_bytes(stored, stacked),
             )
         )
     return LeafReport(plan.num_layers, tuple(leaves))

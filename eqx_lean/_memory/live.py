@@ -1,19 +1,17 @@
 """What is allocated now: the live JAX arrays, grouped and sized."""
 
 import dataclasses
-import math
 
 import jax
 from jax.sharding import NamedSharding, Sharding, SingleDeviceSharding
 
+from .._core import shard_bytes
 from .table import format_bytes, table
 
 
 def physical_nbytes(x: jax.Array) -> int:
     """Bytes an array occupies over all its devices: each shard, replicas counted separately."""
-    sharding = x.sharding
-    shard = math.prod(sharding.shard_shape(x.shape)) * x.dtype.itemsize
-    return shard * len(sharding.device_set)
+    return shard_bytes(x) * len(x.sharding.device_set)
 
 
 def live_jax_arrays() -> list[jax.Array]:

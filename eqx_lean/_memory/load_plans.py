@@ -8,14 +8,13 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, Sharding, SingleDeviceSharding
 
-from .._core import DtypePolicy, LayerAxis, ShardingPolicy, check_dtype_policy
+from .._core import DtypePolicy, LayerAxis, ShardingPolicy, check_dtype_policy, shard_bytes
 from .._core.chunk_plan import ChunkGroup, Target as ChunkTarget
 from .._core.chunk_writes import ALIGN
 from .._core.chunks import lower_chunk_write, plan_chunks
 from .._io.checks import check_checkpoint, select_layers
 from .._io.load import _CHUNK_BYTES, _plan_leaves
 from .._io.snapshot import Checkpoint, opened
-from .plans import shard_bytes
 from .table import format_bytes, table
 from .targets import Target, placed_on, resolve_target
 

@@ -1,7 +1,6 @@
 """XLA's memory plan of any function on a target: per-device bytes, and whether it fits."""
 
 import dataclasses
-import math
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -12,6 +11,7 @@ import jax
 import numpy as np
 from jax.sharding import Sharding, SingleDeviceSharding
 
+from .._core import shard_bytes
 from .table import MiB, format_bytes, table
 from .targets import Target, placed_on, resolve_target
 
@@ -208,13 +208,6 @@ def _refusal(error: Exception) -> str | None:
     if "RESOURCE_EXHAUSTED" not in message:
         return None
     return message.split("\n")[0].strip()
-
-
-def shard_bytes(struct: Any, sharding: Sharding | None = None) -> int:
-    """Bytes of one device's shard of `struct` under `sharding` (default: its own)."""
-    sharding = struct.sharding if sharding is None else sharding
-    shape = sharding.shard_shape(struct.shape) if sharding is not None else struct.shape
-    return math.prod(shape) * np.dtype(struct.dtype).itemsize
 
 
 def plan(

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 import eqx_lean
+from eqx_lean._core import tree_bytes
 
 from ._measure import file_rss_bytes, peak_rss_bytes, rss_bytes
 from ._models import Block, BlockConfig, Embeddings
@@ -52,10 +53,6 @@ METHODS: dict[str, Callable[..., Any]] = {
 }
 
 
-def _nbytes(tree: Any) -> int:
-    return sum(x.nbytes for x in jax.tree.leaves(eqx.filter(tree, eqx.is_array)))
-
-
 def run(method: str, config: BlockConfig, dtype: Any, seed: int = 0) -> dict[str, Any]:
     jax.devices()
     key_blocks, key_embed = jax.random.split(jax.random.key(seed))
@@ -79,7 +76,7 @@ def run(method: str, config: BlockConfig, dtype: Any, seed: int = 0) -> dict[str
     seconds = time.perf_counter() - start
 
     peak = peak_rss_bytes()
-    final = _nbytes(blocks) + _nbytes(embeddings)
+    final = tree_bytes(blocks) + tree_bytes(embeddings)
     return {
         "method": method,
         "idle_bytes": idle,

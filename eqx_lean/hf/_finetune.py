@@ -26,6 +26,7 @@ from jax import lax
 from jaxtyping import Array
 
 from .. import lora  # the module, not its names: see the note on annotations above
+from .._core import tree_bytes
 from ..quant._linear import quantize_linears
 from ._config import MistralConfig
 from ._data import batches
@@ -271,15 +272,11 @@ def step_memory(
     compiled = step.lower(frozen, adapters, opt_state, input_ids, None).compile()
     analysis = compiled.memory_analysis()
     assert analysis is not None
-
-    def nbytes(tree: Any) -> int:
-        return sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
-
     return {
-        "base": nbytes(frozen),
-        "adapters": nbytes(adapters),
-        "optimizer": nbytes(opt_state),
-        "batch": nbytes(input_ids),
+        "base": tree_bytes(frozen),
+        "adapters": tree_bytes(adapters),
+        "optimizer": tree_bytes(opt_state),
+        "batch": tree_bytes(input_ids),
         "temp": analysis.temp_size_in_bytes,
         "output": analysis.output_size_in_bytes,
         "alias": analysis.alias_size_in_bytes,

@@ -1,0 +1,53 @@
+"""The shared helpers of `eqx_lean/_core/layout.py`: the struct of a value and its bytes.
+
+Every expected value is written out by hand (shape times item size), not computed by the helper
+under test.
+"""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from eqx_lean import _core
+
+
+def test_struct_bytes_of_arrays_structs_avals_and_keys():
+    assert _core.struct_bytes(np.zeros((3, 5), np.float32)) == 60
+    assert _core.struct_bytes(jnp.zeros((7,), jnp.bfloat16)) == 14
+    assert _core.struct_bytes(jax.ShapeDtypeStruct((2, 3, 4), jnp.int8)) == 24
+    assert _core.struct_bytes(jax.ShapeDtypeStruct((), jnp.float32)) == 4
+    assert _core.struct_bytes(jax.ShapeDtypeStruct((0, 9), jnp.float32)) == 0
+    # An abstract value of a jaxpr, and Threefry keys (two uint32 words each).
+    (aval,) = jax.make_jaxpr(lambda x: x * 2)(jnp.zeros((4, 4))).out_avals
+    assert _core.struct_bytes(aval) == 64
+    assert _core.struct_bytes(jax.random.split(jax.random.key(0), 3)) == 24
+
+
+def test_shard_bytes_of_one_device_share():
+    mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+    struct = jax.ShapeDtypeStruct((8, 6), jnp.float32, sharding=NamedSharding(mesh, P("data")))
+    # One device: its shard is the whole array, from the struct's own sharding or a given one.
+    assert _core.shard_bytes(struct) == 192
+    assert _core.shard_bytes(jax.ShapeDtypeStruct((8, 6), jnp.float32)) == 192
+
+    class Halves:  # a sharding of two devices along the first axis, as `shard_shape` sees it
+        def shard_shape(self, shape):
+            return (shape[0] // 2, *shape[1:])
+
+    assert _core.shard_bytes(struct, Halves()) == 96  # pyright: ignore[reportArgumentType]
+
+
+def test_tree_bytes_counts_array_leaves_only():
+    tree = {
+        "linear": eqx.nn.Linear(3, 2, key=jax.random.key(0)),  # weight 2x3 and bias 2, float32
+        "struct": jax.ShapeDtypeStruct((5,), jnp.int16),
+        "numpy": np.zeros((2, 2), np.float64),
+        "number": 1.5,
+        "nothing": None,
+        "function": jnp.tanh,
+    }
+    assert _core.tree_bytes(tree) == 4 * 6 + 4 * 2 + 2 * 5 + 8 * 4
+    assert _core.tree_bytes(None) == 0
+    assert _core.tree_bytes([]) == 0
