@@ -51,3 +51,21 @@ def test_tree_bytes_counts_array_leaves_only():
     assert _core.tree_bytes(tree) == 4 * 6 + 4 * 2 + 2 * 5 + 8 * 4
     assert _core.tree_bytes(None) == 0
     assert _core.tree_bytes([]) == 0
+
+
+def test_struct_of_keeps_the_weak_type_and_places_on_a_given_sharding():
+    weak = jnp.asarray(1.0) * 2  # a Python scalar's weak type survives the product
+    assert _core.struct_of(weak) == jax.ShapeDtypeStruct((), jnp.float32, weak_type=True)
+    assert _core.struct_of(np.zeros((2, 3), np.int8)) == jax.ShapeDtypeStruct((2, 3), jnp.int8)
+    (aval,) = jax.make_jaxpr(lambda x: x + 1)(jnp.zeros((4,), jnp.bfloat16)).out_avals
+    assert _core.struct_of(aval) == jax.ShapeDtypeStruct((4,), jnp.bfloat16)
+
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+    placed = jax.ShapeDtypeStruct((8,), jnp.float32, sharding=NamedSharding(mesh, P("data")))
+    # Without a sharding a struct is returned as is; with one, that sharding replaces its own.
+    assert _core.struct_of(placed) is placed
+    moved = _core.struct_of(placed, device)
+    assert (moved.shape, moved.dtype, moved.sharding) == ((8,), jnp.float32, device)
+    on_device = _core.struct_of(weak, device)
+    assert (on_device.weak_type, on_device.sharding) == (True, device)

@@ -22,11 +22,24 @@ def is_array_like(x: Any) -> bool:
     return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
 
 
-def struct_of(x: Any) -> jax.ShapeDtypeStruct:
-    """A `ShapeDtypeStruct` as is; for an array, its shape, dtype and weak type (no sharding)."""
-    if isinstance(x, jax.ShapeDtypeStruct):
+def struct_of(x: Any, sharding: Sharding | None = None) -> jax.ShapeDtypeStruct:
+    """The `jax.ShapeDtypeStruct` of a value: its shape, dtype and weak type.
+
+    **Arguments:**
+
+    - `x`: an array (JAX or NumPy), a `jax.ShapeDtypeStruct` or an abstract value of a jaxpr.
+    - `sharding`: the struct's sharding. Without one, a `ShapeDtypeStruct` is returned as is
+        (its own sharding kept) and any other value's struct has no sharding; with one, it
+        replaces whatever `x` carries.
+
+    **Returns:**
+
+    A `jax.ShapeDtypeStruct` of `x`'s shape, dtype and weak type, placed on `sharding`.
+    """
+    if sharding is None and isinstance(x, jax.ShapeDtypeStruct):
         return x
-    return jax.ShapeDtypeStruct(np.shape(x), x.dtype, weak_type=bool(getattr(x, "weak_type", 0)))
+    weak = bool(getattr(x, "weak_type", False))
+    return jax.ShapeDtypeStruct(np.shape(x), x.dtype, weak_type=weak, sharding=sharding)
 
 
 def struct_bytes(x: Any) -> int:

@@ -168,11 +168,6 @@ def _vmapped_leaves(make_layer: Callable[[PRNGKeyArray], Any]) -> Callable[[Any]
     return vmapped
 
 
-def _struct_of(aval: Any, device: Sharding | None = None) -> jax.ShapeDtypeStruct:
-    weak = getattr(aval, "weak_type", False)
-    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=weak, sharding=device)
-
-
 def _first_device(shardings: Sequence[Sharding | None]) -> SingleDeviceSharding | None:
     """Where the unsharded `filter_vmap` rows run: the first device of the build's shardings.
 
@@ -196,7 +191,7 @@ def _dispatch_key(eqn: Any) -> Any | None:
     """Identifies an operation whose eager dispatch may need temporaries; `None` for the rest."""
     if eqn.effects or sum(_core.struct_bytes(v.aval) for v in eqn.outvars) < _EAGER_TEMP_MIN_OUTPUT:
         return None
-    structs = tuple(_struct_of(v.aval) for v in eqn.invars if not isinstance(v, jcore.Literal))
+    structs = tuple(_core.struct_of(v.aval) for v in eqn.invars if not isinstance(v, jcore.Literal))
     return (eqn.primitive.name, str(eqn.params), structs)
 
 
@@ -208,7 +203,9 @@ def _lower_dispatch(eqn: Any, device: Sharding | None) -> Any | None:
         args = [v.val if isinstance(v, jcore.Literal) else next(it) for v in eqn.invars]
         return eqn.primitive.bind(*args, **eqn.params)
 
-    structs = [_struct_of(v.aval, device) for v in eqn.invars if not isinstance(v, jcore.Literal)]
+    structs = [
+        _core.struct_of(v.aval, device) for v in eqn.invars if not isinstance(v, jcore.Literal)
+    ]
     try:
         return jax.jit(dispatch).lower(*structs)
     except Exception:
@@ -332,7 +329,7 @@ def estimate(
     plan = _core.plan_build(make_layer, keys, dtype, sharding, mesh)
     vmapped = _vmapped_leaves(make_layer)
     device = _first_device(plan.shardings)
-    key_struct = _struct_of(keys, device)
+    key_struct = _core.struct_of(keys, device)
     jaxpr = jax.make_jaxpr(vmapped)(key_struct).jaxpr
 
     def vmap_and_cast(keys):

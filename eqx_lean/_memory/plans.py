@@ -11,7 +11,7 @@ import jax
 import numpy as np
 from jax.sharding import Sharding, SingleDeviceSharding
 
-from .._core import shard_bytes
+from .._core import shard_bytes, struct_of
 from .table import MiB, format_bytes, table
 from .targets import Target, placed_on, resolve_target
 
@@ -118,10 +118,7 @@ def _structs_on(
     ]
     if first_device_if_none and all(s is None for s in shardings):
         shardings = [SingleDeviceSharding(where.devices[0])] * len(shardings)
-    return [
-        jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s, weak_type=getattr(x, "weak_type", False))
-        for (_, x), s in zip(leaves, shardings, strict=True)
-    ]
+    return [struct_of(x, s) for (_, x), s in zip(leaves, shardings, strict=True)]
 
 
 def _donated(donate: DonateSpec, num_args: int) -> tuple[int, ...]:
