@@ -25,7 +25,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 import eqx_lean
 import eqx_lean.hf as hf
 from eqx_lean import lora
-from eqx_lean._core import struct_bytes
+from eqx_lean._core import layer_struct, struct_bytes
 from eqx_lean.memory import plan, target
 
 
@@ -84,7 +84,7 @@ def fsdp_shardings(tree: Any, mesh: Mesh, axis: str = "data") -> Any:
         if not isinstance(x, jax.ShapeDtypeStruct):
             return x
         if x.ndim >= 3:  # a stacked leaf: shard the layer's own dimensions, keep the layer axis
-            inner = rule(path, jax.ShapeDtypeStruct(x.shape[1:], x.dtype))
+            inner = rule(path, layer_struct(x))
             assert isinstance(inner, NamedSharding)
             sharding = NamedSharding(mesh, P(None, *inner.spec))
         else:

@@ -163,11 +163,12 @@ def _zeros_like(like: Any, rule: Any, mesh: Any) -> Any:
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
 
+    from eqx_lean._core import layer_struct
+
     def zeros(path: Any, leaf: Any) -> Any:
         if not isinstance(leaf, jax.ShapeDtypeStruct):
             return leaf
-        one_layer = jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype)
-        spec = rule(path, one_layer).spec
+        spec = rule(path, layer_struct(leaf)).spec
         sharding = NamedSharding(mesh, P(None, *spec))
         shard = sharding.shard_shape(leaf.shape)
         return jax.make_array_from_callback(

@@ -69,3 +69,13 @@ def test_struct_of_keeps_the_weak_type_and_places_on_a_given_sharding():
     assert (moved.shape, moved.dtype, moved.sharding) == ((8,), jnp.float32, device)
     on_device = _core.struct_of(weak, device)
     assert (on_device.weak_type, on_device.sharding) == (True, device)
+
+
+def test_layer_struct_drops_the_layer_axis_the_weak_type_and_the_sharding():
+    mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+    sharding = NamedSharding(mesh, P(None, "data"))
+    stacked = jax.ShapeDtypeStruct((5, 4, 3), jnp.bfloat16, weak_type=True, sharding=sharding)
+    assert _core.layer_struct(stacked) == jax.ShapeDtypeStruct((4, 3), jnp.bfloat16)
+    assert _core.layer_struct(jnp.zeros((2, 7), jnp.int32)) == jax.ShapeDtypeStruct((7,), jnp.int32)
+    keys = jax.random.split(jax.random.key(0), 6)
+    assert _core.layer_struct(keys) == jax.ShapeDtypeStruct((), jax.random.key(1).dtype)

@@ -5,8 +5,8 @@ scripts in `benchmarks/` may use it. It is not public API and may change between
 
 - `layout`: how a layer splits into array leaves and a static part (`Layout`), the checks of
   `keys` and of a stacked module's layer axis, the leaves' target structs and write groups;
-  the one home of the struct of a value (`struct_of`) and of bytes (`struct_bytes`,
-  `shard_bytes`, `tree_bytes`).
+  the one home of the struct of a value (`struct_of`, and one layer's: `layer_struct`) and of
+  bytes (`struct_bytes`, `shard_bytes`, `tree_bytes`).
 - `rules`: what every user rule shares: the path convention (`PATH_CONVENTION`), the error a
   failing user rule or name function is re-raised as (`rule_error`), and `TreeDtypeRule`, the
   base of dtype rules resolved against the whole tree.
@@ -52,6 +52,7 @@ from .dtypes import (
 from .layout import (
     Layout as Layout,
     is_array_like as is_array_like,
+    layer_struct as layer_struct,
     leaf_groups as leaf_groups,
     num_layers_of_keys as num_layers_of_keys,
     num_layers_of_stack as num_layers_of_stack,

@@ -58,6 +58,24 @@ def struct_bytes(x: Any) -> int:
     return math.prod(np.shape(x)) * x.dtype.itemsize
 
 
+def layer_struct(stacked: Any) -> jax.ShapeDtypeStruct:
+    """One layer's struct of a stacked leaf: its shape without the leading layer axis.
+
+    What a dtype or sharding rule sees of a stacked leaf, as it sees a layer in
+    `build_stacked`; also one layer's key of a key array.
+
+    **Arguments:**
+
+    - `stacked`: an array or a `jax.ShapeDtypeStruct` with a leading layer axis.
+
+    **Returns:**
+
+    A `jax.ShapeDtypeStruct` of shape `stacked.shape[1:]` and `stacked`'s dtype; no weak type
+    and no sharding (a stacked leaf's sharding is not one layer's).
+    """
+    return jax.ShapeDtypeStruct(np.shape(stacked)[1:], stacked.dtype)
+
+
 def shard_bytes(x: Any, sharding: Sharding | None = None) -> int:
     """The bytes of one device's shard of an array.
 

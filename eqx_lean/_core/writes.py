@@ -24,6 +24,7 @@ from .dtypes import DtypePolicy, check_dtype_policy, is_floating
 from .layout import (
     Layout,
     Structs,
+    layer_struct,
     leaf_groups,
     num_layers_of_keys,
     target_structs,
@@ -187,7 +188,7 @@ def plan_build(
     """Traces `make_layer` and resolves the dtype and sharding of every leaf; allocates nothing."""
     num_layers = num_layers_of_keys(keys)
     dtype = check_dtype_policy(dtype)
-    key = jax.ShapeDtypeStruct(keys.shape[1:], keys.dtype)
+    key = layer_struct(keys)
     program = trace_layer(make_layer, key)
     layout = program.layout
     shardings = resolve_shardings(sharding, mesh, layout.paths, layout.structs, layout.treedef)

@@ -17,6 +17,7 @@ from .._core import (
     ShardingPolicy,
     check_dtype_policy,
     delete_arrays,
+    layer_struct,
     resolve_dtypes,
 )
 from .._core.chunk_plan import Target
@@ -63,9 +64,7 @@ def _targets(
     # A dtype rule sees one layer of a stacked leaf, as in `build_stacked`, and rules by module
     # type are resolved against `like`.
     seen = [
-        jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype)
-        if name is not None and name.stacked
-        else leaf
+        layer_struct(leaf) if name is not None and name.stacked else leaf
         for leaf, name in zip(layout.structs, tensor_names, strict=True)
     ]
     chosen = resolve_dtypes(dtype, layout.combine(layout.structs), layout.paths, seen)

@@ -13,6 +13,7 @@ from .._core import (
     Layout,
     check_layer_axis,
     current_mesh,
+    layer_struct,
     mesh_of,
     per_layer_sharding,
     resolve_shardings,
@@ -71,7 +72,7 @@ def resolve_load_shardings(
     """
     stacked = [name is not None and name.stacked for name in tensor_names]
     seen = tuple(
-        jax.ShapeDtypeStruct(s.shape[1:] if is_stacked else s.shape, s.dtype)
+        layer_struct(s) if is_stacked else jax.ShapeDtypeStruct(s.shape, s.dtype)
         for s, is_stacked in zip(layout.structs, stacked, strict=True)
     )
     if sharding is None:
