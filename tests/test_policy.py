@@ -862,6 +862,29 @@ def test_fsdp_on_one_device_replicates(one_device_mesh):
     assert rule((), leaf) == NamedSharding(one_device_mesh, P())
 
 
+def test_constrain_reshards_on_explicit_axes_and_constrains_on_auto_ones(one_device_mesh):
+    x = jnp.arange(8.0)
+    assert _core.constrain(x, None) is x
+
+    def only_equation(fn: Callable) -> tuple[str, dict[str, Any]]:
+        (eqn,) = jax.make_jaxpr(fn)(x).eqns
+        return eqn.primitive.name, eqn.params
+
+    explicit_mesh = jax.make_mesh((1,), ("data",), (AxisType.Explicit,), devices=jax.devices()[:1])
+    name, params = only_equation(
+        lambda x: _core.constrain(x, NamedSharding(explicit_mesh, P("data")))
+    )
+    assert (name, params["dst_sharding"].spec) == ("reshard", P("data"))
+    auto = NamedSharding(one_device_mesh, P("data"))
+    name, params = only_equation(lambda x: _core.constrain(x, auto))
+    assert (name, params["sharding"]) == ("sharding_constraint", auto)
+    # Inside `auto_axes` only the spec is given: the sharding is the context's (abstract) mesh's.
+    with jax.set_mesh(one_device_mesh):
+        name, params = only_equation(lambda x: _core.constrain(x, auto, inside_auto_axes=True))
+    assert (name, params["sharding"].spec) == ("sharding_constraint", P("data"))
+    assert params["sharding"] != auto
+
+
 def assert_multiprocess_build(outputs: list[dict[str, Any]], paths: set[str]) -> None:
     assert sorted(out["process_index"] for out in outputs) == [0, 1]
     for out in outputs:

@@ -14,7 +14,8 @@ scripts in `benchmarks/` may use it. It is not public API and may change between
   ready-made rules of `eqx_lean.dtypes` (by module type, by rank), resolved against the whole
   tree, and the one dtype resolver (`resolve_dtypes`).
 - `sharding`: the one sharding resolver (`resolve_shardings`), its validator (`check_spec`)
-  and error format, meshes (`current_mesh`, `mesh_of`), the layer axis; `fsdp`.
+  and error format, meshes (`current_mesh`, `mesh_of`), the layer axis; `fsdp`; `constrain`,
+  the one way to constrain a traced array to a sharding.
 - `program`: `make_layer` traced once (`trace_layer`), with a key by content.
 - `writes`: allocation, donated row writes, the build plan (`plan_build`), its compiled writes
   (`compile_writes`, cached by content in `WRITES`; `lower_writes` for inspection) and `fill`.
@@ -79,6 +80,7 @@ from .sharding import (
     axis_names as axis_names,
     check_layer_axis as check_layer_axis,
     check_spec as check_spec,
+    constrain as constrain,
     current_mesh as current_mesh,
     describe_raised as describe_raised,
     fsdp as fsdp,

@@ -7,8 +7,9 @@ from typing import Any, TypeAlias, cast
 import equinox as eqx
 import jax
 import numpy as np
+from jax import lax
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec, Sharding
-from jaxtyping import PyTree
+from jaxtyping import Array, PyTree
 
 from .rules import (
     PATH_CONVENTION as PATH_CONVENTION,
@@ -374,6 +375,30 @@ def has_explicit_axes(sharding: Sharding | None) -> bool:
     if not isinstance(sharding, NamedSharding):
         return False
     return any(t == AxisType.Explicit for t in sharding.mesh.axis_types)
+
+
+def constrain(x: Array, sharding: Sharding | None, *, inside_auto_axes: bool = False) -> Array:
+    """Constrains a traced array to a sharding, whichever kind of mesh axes it names.
+
+    **Arguments:**
+
+    - `x`: an array being traced (inside `jax.jit` or a compiled write).
+    - `sharding`: the sharding `x` must have; `None` leaves `x` as it is.
+    - `inside_auto_axes`: whether the trace runs inside `jax.sharding.auto_axes`, where a
+        `NamedSharding`'s mesh axes are all Auto: there it constrains by its `PartitionSpec`.
+
+    **Returns:**
+
+    `x` resharded (`jax.sharding.reshard`) where `sharding` names Explicit mesh axes, otherwise
+    constrained with `lax.with_sharding_constraint`.
+    """
+    if sharding is None:
+        return x
+    if inside_auto_axes and isinstance(sharding, NamedSharding):
+        return lax.with_sharding_constraint(x, sharding.spec)
+    if has_explicit_axes(sharding):
+        return jax.sharding.reshard(x, sharding)
+    return lax.with_sharding_constraint(x, sharding)
 
 
 def fsdp(mesh: Any, axis: str | tuple[str, ...] = "data") -> ShardingRule:

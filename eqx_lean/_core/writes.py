@@ -32,7 +32,13 @@ from .layout import (
     zeros_like_struct as zeros_like_struct,
 )
 from .program import LayerProgram, has_tracers, trace_layer
-from .sharding import ShardingPolicy, has_explicit_axes, resolve_shardings, stacked_sharding
+from .sharding import (
+    ShardingPolicy,
+    constrain,
+    has_explicit_axes,
+    resolve_shardings,
+    stacked_sharding,
+)
 
 
 Leaves = tuple[Array, ...]
@@ -215,17 +221,6 @@ def is_traced(plan: BuildPlan, keys: Any) -> bool:
 # --- building: the compiled writes ------------------------------------------------------------
 
 
-def _constrain(x: Array, sharding: Sharding | None, *, inside_auto_axes: bool = False) -> Array:
-    """Constrains a traced array to `sharding`, whichever kind of mesh axes it names."""
-    if sharding is None:
-        return x
-    if inside_auto_axes and isinstance(sharding, NamedSharding):
-        return lax.with_sharding_constraint(x, sharding.spec)
-    if has_explicit_axes(sharding):
-        return jax.sharding.reshard(x, sharding)
-    return lax.with_sharding_constraint(x, sharding)
-
-
 def _write_run(
     jaxpr: Any, embedded: tuple[Any, ...], group: Group, bit_writes: bool, loop: bool = True
 ) -> Callable[..., Leaves]:
@@ -250,7 +245,7 @@ def _write_run(
             # Constraining the fresh leaf makes each device build only its shard of it.
             write_slice(
                 buffer,
-                _constrain(leaves[j], s, inside_auto_axes=explicit),
+                constrain(leaves[j], s, inside_auto_axes=explicit),
                 index,
                 bit_writes=bit_writes,
             )
@@ -421,7 +416,7 @@ def fill(
 def fill_traced(plan: BuildPlan, keys: Any) -> list[Array]:
     """The stacked leaves, written by one `fori_loop` per group, inside an outer trace."""
     buffers = [
-        _constrain(zeros_like_struct(struct), stacked_sharding(s))
+        constrain(zeros_like_struct(struct), stacked_sharding(s))
         for struct, s in zip(plan.structs, plan.shardings, strict=True)
     ]
     for group in plan.groups:
