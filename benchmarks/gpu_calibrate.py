@@ -67,13 +67,6 @@ def _minus(a: int | None, b: int | None) -> int | None:
     return None if a is None or b is None else a - b
 
 
-def _host_rss(field: str = "VmHWM") -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(field)
-
-
 def _block_names(path: Any, leaf: Any) -> str:
     import jax
 
@@ -134,13 +127,14 @@ def case_load(preset: str) -> dict[str, Any]:
 
     import eqx_lean
     from eqx_lean._core import tree_bytes
+    from eqx_lean._rss import peak_rss_bytes, rss_bytes
 
     make, (_, keys, dtype) = _make_blocks(preset, "build_stacked")
     if not CHECKPOINT.exists():
         raise RuntimeError("run the `save` step first")
     like = eqx.filter_eval_shape(eqx_lean.build_stacked, make, keys, dtype)
     idle = _gpu_stats()
-    host_idle = _host_rss("VmRSS")
+    host_idle = rss_bytes()
     start = time.perf_counter()
     blocks = jax.block_until_ready(eqx_lean.load_stacked(CHECKPOINT, like, _block_names))
     seconds = time.perf_counter() - start
@@ -151,7 +145,7 @@ def case_load(preset: str) -> dict[str, Any]:
         "seconds": seconds,
         "gib_per_s": final / GiB / seconds,
         "peak_over_idle_bytes": _minus(after["peak"], idle["in_use"]),
-        "host_peak_over_idle_bytes": _host_rss("VmHWM") - host_idle,
+        "host_peak_over_idle_bytes": peak_rss_bytes() - host_idle,
     }
 
 

@@ -32,13 +32,6 @@ ROWS, COLUMNS = 8192, 65536
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _status_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
 #
 # Workers: each runs in a fresh process
 #
@@ -84,10 +77,12 @@ def worker_temp(config: dict) -> dict:
 
 
 def worker_process(config: dict) -> dict:
+    from eqx_lean._rss import peak_rss_bytes, rss_bytes
+
     jax, shape, sharding, initializer = _setup(config)
     key = jax.random.key(0)
     jax.block_until_ready(key)
-    idle = _status_kib("VmRSS") * 1024
+    idle = rss_bytes()
     with _mesh_context(jax, sharding):
         jitted = jax.jit(lambda k: initializer(k, shape, out_sharding=sharding))
 
@@ -99,7 +94,7 @@ def worker_process(config: dict) -> dict:
         start = time.perf_counter()
         x = jax.block_until_ready(create())
         first = time.perf_counter() - start
-        peak = _status_kib("VmHWM") * 1024
+        peak = peak_rss_bytes()
         final = x.nbytes
         del x
         # Steady state, without compilation: delete each result before the next.

@@ -98,31 +98,23 @@ def _batch_shape(small: bool) -> tuple[int, int, int]:
 # --- measurement ------------------------------------------------------------------------------
 
 
-def proc_status() -> dict[str, int]:
-    """`VmRSS`, `VmHWM`, `RssAnon` and `RssFile` of this process, in bytes."""
-    found = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            name, _, value = line.partition(":")
-            if name in ("VmRSS", "VmHWM", "RssAnon", "RssFile"):
-                found[name] = int(value.split()[0]) * 1024
-    return found
-
-
 class AnonSampler(threading.Thread):
     """The largest `RssAnon` and the smallest `RssFile` seen, every `interval` seconds."""
 
     def __init__(self, interval: float = 0.002):
+        from eqx_lean._rss import memory_status
+
         super().__init__(daemon=True)
         self.interval = interval
         self.stop = threading.Event()
-        status = proc_status()
+        self.memory_status = memory_status  # `VmRSS`, `VmHWM`, `RssAnon`, `RssFile` in bytes
+        status = memory_status()
         self.anon_peak = status["RssAnon"]
         self.file_low = status["RssFile"]
 
     def run(self) -> None:
         while not self.stop.is_set():
-            status = proc_status()
+            status = self.memory_status()
             self.anon_peak = max(self.anon_peak, status["RssAnon"])
             self.file_low = min(self.file_low, status["RssFile"])
             time.sleep(self.interval)
@@ -130,7 +122,7 @@ class AnonSampler(threading.Thread):
     def finish(self) -> None:
         self.stop.set()
         self.join()
-        status = proc_status()
+        status = self.memory_status()
         self.anon_peak = max(self.anon_peak, status["RssAnon"])
         self.file_low = min(self.file_low, status["RssFile"])
 
@@ -456,18 +448,19 @@ def measure_case(name: str, small: bool, directory: Path | None) -> dict[str, An
     import jax
 
     from eqx_lean._core import tree_bytes
+    from eqx_lean._rss import memory_status
 
     case = CLASSES[name](small, directory)
     jax.devices()
     inputs = case.inputs()
     jax.block_until_ready(inputs)
-    idle = proc_status()
+    idle = memory_status()
     sampler = AnonSampler()
     sampler.start()
     result = case.run(inputs)
     jax.block_until_ready(result)
     sampler.finish()
-    after = proc_status()
+    after = memory_status()
     planned = case.plan(inputs, result)
     anon_predicted = planned["program"] + planned["allowance"]
     predicted = anon_predicted + planned.get("mapped", 0)

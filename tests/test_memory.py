@@ -153,7 +153,7 @@ NO_ALLOCATION = textwrap.dedent(
     import equinox as eqx
     import jax, jax.numpy as jnp
     import eqx_lean
-    from eqx_lean.bench._measure import peak_rss_bytes, rss_bytes
+    from eqx_lean._rss import peak_rss_bytes, rss_bytes
 
     keys = jax.random.split(jax.random.key(0), 64)
     jax.block_until_ready(keys)

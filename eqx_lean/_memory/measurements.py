@@ -3,9 +3,6 @@
 import contextlib
 import dataclasses
 import math
-import pathlib
-import resource
-import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -13,33 +10,9 @@ from typing import Any
 
 import jax
 
+from .._rss import rss_high_water_mark, sampled_rss_bytes
 from .live import live_bytes
 from .table import format_bytes, table
-
-
-_PAGE_SIZE = resource.getpagesize()
-
-
-def _rss_bytes() -> int | None:
-    """This process's resident memory now, from `/proc/self/statm`; `None` without `/proc`."""
-    try:
-        fields = pathlib.Path("/proc/self/statm").read_text().split()
-    except OSError:
-        return None
-    return int(fields[1]) * _PAGE_SIZE
-
-
-def _rss_high_water_mark() -> int:
-    """The largest resident memory this process has had (`VmHWM`, else `ru_maxrss`)."""
-    try:
-        for line in pathlib.Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    # Linux reports kibibytes, macOS bytes.
-    return maxrss if sys.platform == "darwin" else maxrss * 1024
 
 
 class _RssSampler:
@@ -47,7 +20,7 @@ class _RssSampler:
 
     def __init__(self, interval: float):
         self.interval = interval
-        self.peak = _rss_bytes()
+        self.peak = sampled_rss_bytes()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="eqx_lean-rss", daemon=True)
 
@@ -56,7 +29,7 @@ class _RssSampler:
             self._sample()
 
     def _sample(self) -> None:
-        rss = _rss_bytes()
+        rss = sampled_rss_bytes()
         if rss is not None and (self.peak is None or rss > self.peak):
             self.peak = rss
 
@@ -182,14 +155,14 @@ def measure(*, interval: float = 0.002) -> Iterator[Measurement]:
     result = Measurement(backend=jax.default_backend())
     result.live_bytes_before = live_bytes()
     stats_before = _device_stats(devices)
-    hwm_before = _rss_high_water_mark()
-    result.rss_before = _rss_bytes()
+    hwm_before = rss_high_water_mark()
+    result.rss_before = sampled_rss_bytes()
     start = time.perf_counter()
     with _RssSampler(interval) as sampler:
         yield result
     result.seconds = time.perf_counter() - start
-    result.rss_after = _rss_bytes()
-    hwm_after = _rss_high_water_mark()
+    result.rss_after = sampled_rss_bytes()
+    hwm_after = rss_high_water_mark()
     rose = hwm_after > hwm_before
     result.rss_peak = hwm_after if rose else sampler.peak
     stats_after = _device_stats(devices)

@@ -1,28 +1,7 @@
-"""Process memory figures, read from `/proc` and the cgroup: the design's one protocol."""
+"""Memory a new process can use, read from `/proc` and the cgroup. (A process's own resident
+memory is read by `eqx_lean._rss`.)"""
 
 import pathlib
-
-
-def _status_kib(field: str) -> int:
-    for line in pathlib.Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"{field} not found in /proc/self/status")
-
-
-def rss_bytes() -> int:
-    """Current resident memory of this process (`VmRSS`)."""
-    return _status_kib("VmRSS") * 1024
-
-
-def file_rss_bytes() -> int:
-    """Resident pages of this process that are mapped files (`RssFile`: libraries, mmaps)."""
-    return _status_kib("RssFile") * 1024
-
-
-def peak_rss_bytes() -> int:
-    """High-water mark of this process's resident memory (`VmHWM`)."""
-    return _status_kib("VmHWM") * 1024
 
 
 def _read_int(path: pathlib.Path) -> int | None:

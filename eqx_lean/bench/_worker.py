@@ -16,8 +16,8 @@ import jax.numpy as jnp
 
 import eqx_lean
 from eqx_lean._core import tree_bytes
+from eqx_lean._rss import file_rss_bytes, peak_rss_bytes, rss_bytes
 
-from ._measure import file_rss_bytes, peak_rss_bytes, rss_bytes
 from ._models import Block, BlockConfig, Embeddings
 
 
