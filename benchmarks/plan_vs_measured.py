@@ -296,6 +296,7 @@ class Load(Case):
         import eqx_lean
         from eqx_lean._core import struct_bytes, tree_bytes
         from eqx_lean._io.load import _CHUNK_BYTES
+        from eqx_lean._io.names import split_layer
 
         loaded = tree_bytes(result)
         # On CPU the loader compiles nothing: it allocates the final buffers from host zeros
@@ -304,11 +305,12 @@ class Load(Case):
         staging = 2 * _CHUNK_BYTES
         # The files are mapped read-only and each layer's pages released once it is copied:
         # the largest layer's stored bytes are resident (as page cache) at once.
-        layers: dict[str, int] = {}
+        layers: dict[int, int] = {}
         assert self.directory is not None
         for name, struct in eqx_lean.checkpoint_tensors(self.directory).items():
-            layer = name.split(".")[2]
-            layers[layer] = layers.get(layer, 0) + struct_bytes(struct)
+            found = split_layer(name, "model.layers.")  # every tensor is one layer's (`_names`)
+            assert found is not None, name
+            layers[found[0]] = layers.get(found[0], 0) + struct_bytes(struct)
         return {
             "devices": DEVICES,
             "output": loaded,

@@ -84,6 +84,20 @@ def writes(request, monkeypatch):
     return request.param
 
 
+def test_the_layer_index_of_a_tensor_name_is_read_once_for_every_caller():
+    split = _io.names.split_layer
+    assert split("model.layers.12.mlp.w", "model.layers.") == (12, ".mlp.w")
+    assert split("model.layers.007", "model.layers.") == (7, "")
+    assert split("h.3_attn", "h.") == (3, "_attn")  # a template may go on without a dot
+    assert split("model.norm.weight", "model.layers.") is None
+    assert split("model.layers.x1.w", "model.layers.") is None
+    names = ["model.layers.0.w", "model.layers.10.w", "model.layers.4", "model.embed.weight"]
+    assert _io.names.stored_layer_count(names, "model.layers.") == 11
+    # A whole dotted part only: `11x` is not layer 11.
+    assert _io.names.stored_layer_count([*names, "model.layers.11x.w"], "model.layers.") == 11
+    assert _io.names.stored_layer_count(["lm_head.weight"], "model.layers.") == 0
+
+
 def test_layers_stored_in_different_dtypes_are_refused_on_either_path(
     tmp_path, writes, no_allocation
 ):

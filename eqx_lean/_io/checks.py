@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 import jax
 
 from .._core import KeyPath, is_floating
-from .names import LAYER, TensorName
+from .names import LAYER, TensorName, split_layer
 from .snapshot import Checkpoint
 
 
@@ -127,11 +127,9 @@ def _layer_prefixes(leaves: Sequence[Leaf]) -> set[str]:
 def layer_of(tensor_name: str, prefixes: set[str]) -> int | None:
     """The layer index of a tensor whose name follows a template's pattern, else None."""
     for prefix in prefixes:
-        if tensor_name.startswith(prefix):
-            rest = tensor_name[len(prefix) :]
-            digits = len(rest) - len(rest.lstrip("0123456789"))
-            if digits:
-                return int(rest[:digits])
+        found = split_layer(tensor_name, prefix)
+        if found is not None:
+            return found[0]
     return None
 
 

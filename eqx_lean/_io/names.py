@@ -1,7 +1,7 @@
 """Tensor names: templates such as `"model.layers.{i}.mlp.up_proj.weight"`, one per leaf."""
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import equinox as eqx
@@ -73,6 +73,50 @@ class TensorName:
         for axis, size in zip(self.transpose, shape, strict=True):
             stored[axis] = size
         return tuple(stored)
+
+
+def split_layer(tensor_name: str, prefix: str) -> tuple[int, str] | None:
+    """Reads the layer index of a per-layer tensor's name: the one parser of the package.
+
+    **Arguments:**
+
+    - `tensor_name`: a tensor's name in a checkpoint, such as `"model.layers.12.mlp.w"`.
+    - `prefix`: the text before `{i}` in the name's template, such as `"model.layers."`.
+
+    **Returns:**
+
+    `(layer, rest)`: the index written in ASCII digits right after `prefix` (`12`), and the rest
+    of the name after them (`".mlp.w"`); `None` if `tensor_name` does not start with `prefix`
+    followed by a digit.
+    """
+    if not tensor_name.startswith(prefix):
+        return None
+    after = tensor_name[len(prefix) :]
+    digits = len(after) - len(after.lstrip("0123456789"))
+    if not digits:
+        return None
+    return int(after[:digits]), after[digits:]
+
+
+def stored_layer_count(tensor_names: Iterable[str], prefix: str) -> int:
+    """How many layers tensors named `<prefix><n>.…` hold.
+
+    **Arguments:**
+
+    - `tensor_names`: the names of a checkpoint's tensors.
+    - `prefix`: the text before the layer index, such as `"model.layers."`.
+
+    **Returns:**
+
+    One more than the highest index `n` of a name `<prefix><n>` or `<prefix><n>.…` (the index
+    a whole dotted part of the name, as `split_layer` reads it); 0 where no name is one.
+    """
+    held = 0
+    for name in tensor_names:
+        found = split_layer(name, prefix)
+        if found is not None and found[1][:1] in ("", "."):
+            held = max(held, found[0] + 1)
+    return held
 
 
 def _is_name_leaf(x: Any) -> bool:

@@ -14,6 +14,7 @@ from jaxtyping import Array
 
 import eqx_lean
 
+from .._io.names import stored_layer_count
 from .._io.quantized import quant_config
 from ..quant._linear import QuantConfig
 from ._config import MistralConfig
@@ -209,19 +210,13 @@ def abstract_model(config: MistralConfig, dtype: Any = None) -> Mistral:
 _LAYER_PREFIX = "model.layers."
 
 
-def stored_layers(stored: dict[str, Any], prefix: str = _LAYER_PREFIX) -> int:
-    """How many layers the weights hold: one more than the highest `<prefix>{n}.` index."""
-    indices = [name[len(prefix) :].split(".", 1)[0] for name in stored if name.startswith(prefix)]
-    return 1 + max((int(n) for n in indices if n.isdecimal()), default=-1)
-
-
 def _check_config(
     checkpoint: eqx_lean.Checkpoint, path: str, config: MistralConfig, like: Mistral, strict: bool
 ) -> None:
     """`config.json` must describe the weights: their layer count and every tensor's shape."""
     config_file = os.path.join(path, "config.json")
     stored = eqx_lean.checkpoint_tensors(checkpoint)
-    held, expected = stored_layers(stored), config.num_hidden_layers
+    held, expected = stored_layer_count(stored, _LAYER_PREFIX), config.num_hidden_layers
     if held < expected or (strict and held > expected):
         hint = (
             f"Fix config.json, or pass `strict=False` to load its first {expected} layers."

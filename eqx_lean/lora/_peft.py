@@ -30,6 +30,7 @@ from jaxtyping import PyTree
 
 import eqx_lean
 
+from .._io.names import stored_layer_count
 from ..quant._linear import QuantizedLinear
 from ._lora import (
     LoraLinear,
@@ -336,12 +337,6 @@ def load_adapters(
     return replace_modules(model, new, types)
 
 
-def _stored_layers(stored: Mapping[str, Any], prefix: str) -> int:
-    """How many layers the tensors hold: one more than the highest `<prefix>{n}.` index."""
-    indices = [name[len(prefix) :].split(".", 1)[0] for name in stored if name.startswith(prefix)]
-    return 1 + max((int(n) for n in indices if n.isdecimal()), default=-1)
-
-
 def _check_layer_count(checkpoint: eqx_lean.Checkpoint, sites: list[Any], names: Names) -> None:
     """Adapters saved for another layer count are refused naming both counts (rather than
     by the first tensor the strict load misses or does not expect)."""
@@ -351,7 +346,7 @@ def _check_layer_count(checkpoint: eqx_lean.Checkpoint, sites: list[Any], names:
         if weight.ndim != 3 or site.layers is not None:
             continue
         prefix = _tensor(_module_name(site.path, weight, names), "lora_A").split("{i}", 1)[0]
-        held, expected = _stored_layers(stored, prefix), weight.shape[0]
+        held, expected = stored_layer_count(stored, prefix), weight.shape[0]
         if held and held != expected:
             raise ValueError(
                 f"{checkpoint.describe()} holds adapters for {held} layers ('{prefix}0.…' to "
