@@ -27,6 +27,14 @@ def write_checkpoint(directory, index_entry):
     (directory / "model.safetensors.index.json").write_text(json.dumps(index))
 
 
+def test_index_file_names_follow_hugging_face_and_peft():
+    assert (format_.WEIGHTS_FILE, format_.INDEX_FILE) == (
+        "model.safetensors",
+        "model.safetensors.index.json",
+    )
+    assert format_.index_name("adapter_model.safetensors") == "adapter_model.safetensors.index.json"
+
+
 @pytest.mark.parametrize(
     "entry",
     ["/tmp/elsewhere/a.safetensors", "../outside/a.safetensors", "..", "sub/a.safetensors", 3],

@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Literal, NamedTuple
 
 from . import fs
-from .owned import INDEX_SUFFIX, Owner, describe_kind
+from .owned import Owner, describe_kind
+from .safetensors import INDEX_SUFFIX
 
 
 OtherWeights = Literal["refuse", "keep", "drop"]

@@ -10,8 +10,7 @@ import stat
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
-
-INDEX_SUFFIX = ".index.json"
+from .safetensors import index_name
 
 
 def check_weights_name(weights_name: object) -> str:
@@ -34,10 +33,6 @@ def weight_file_names(weights_name: str, count: int) -> list[str]:
         return [weights_name]
     stem = weights_name.removesuffix(".safetensors")
     return [f"{stem}-{k:05d}-of-{count:05d}.safetensors" for k in range(1, count + 1)]
-
-
-def index_name(weights_name: str) -> str:
-    return weights_name + INDEX_SUFFIX
 
 
 def owns_weight_file(weights_name: str, name: str) -> bool:

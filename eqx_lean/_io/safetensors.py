@@ -22,7 +22,29 @@ import numpy as np
 from .._platform import ZERO_COPY_ALIGNMENT
 
 
-INDEX_FILE = "model.safetensors.index.json"
+WEIGHTS_FILE = "model.safetensors"
+"""A checkpoint's weights in one file, as Hugging Face names them."""
+
+INDEX_SUFFIX = ".index.json"
+
+
+def index_name(weights_name: str) -> str:
+    """The index of the weight files a save names after `weights_name`.
+
+    **Arguments:**
+
+    - `weights_name`: the name of the weights in one file, such as `"model.safetensors"` or
+        PEFT's `"adapter_model.safetensors"`.
+
+    **Returns:**
+
+    The index's file name, `weights_name` followed by `.index.json`.
+    """
+    return weights_name + INDEX_SUFFIX
+
+
+INDEX_FILE = index_name(WEIGHTS_FILE)
+"""Hugging Face's index of a checkpoint's weight files, `model.safetensors.index.json`."""
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 _MAX_HEADER_BYTES = 100_000_000  # the limit of the reference `safetensors` implementation

@@ -18,7 +18,7 @@ from .._core.chunk_plan import bounded
 from . import directory, fs, owned
 from .carry import OtherWeights
 from .names import check_transpose_rank, layer_count, require_all_stacked, resolve_names
-from .safetensors import ALIGN, DTYPE_CODES
+from .safetensors import ALIGN, DTYPE_CODES, index_name
 
 
 class ComputedTensor(jax.ShapeDtypeStruct):
@@ -289,7 +289,7 @@ def _save(
             chunks = _file_chunks(_aligned_first(file_records), arrays, merged)
             fs.write_file(new / file_name, chunks, modes.get(file_name))
         if len(files) > 1:
-            index = owned.index_name(weights_name)
+            index = index_name(weights_name)
             fs.write_file(new / index, [_index_bytes(files, file_names)], modes.get(index))
         for name, content in extra.items():
             if isinstance(content, bytes):

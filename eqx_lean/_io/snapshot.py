@@ -35,6 +35,7 @@ from typing import Any
 from .owned import describe_kind, is_plain_name
 from .safetensors import (
     INDEX_FILE,
+    INDEX_SUFFIX,
     PICKLE_SUFFIXES,
     Tensor,
     parse_index,
@@ -148,7 +149,7 @@ class _Request:
         self.weights: list[Path] = []  # weight files given as the path
         if len(paths) == 1 and paths[0].is_dir():
             self.directory = paths[0]
-        elif len(paths) == 1 and paths[0].name.endswith(".index.json"):
+        elif len(paths) == 1 and paths[0].name.endswith(INDEX_SUFFIX):
             self.index = paths[0]
         else:
             for p in paths:

@@ -16,6 +16,7 @@ import eqx_lean
 
 from .._io.names import stored_layer_count
 from .._io.quantized import quant_config
+from .._io.safetensors import INDEX_FILE, WEIGHTS_FILE
 from ..quant._linear import QuantConfig
 from ._config import MistralConfig
 from ._model import DecoderBlock, Mistral, RMSNorm, _linear_from_weight, _resolve_dtype, make_block
@@ -154,15 +155,11 @@ def to_hf_state_dict(model: Mistral) -> dict[str, np.ndarray]:
     return {name: _host_copy(array, index) for name, array, index in _hf_sources(model)}
 
 
-_INDEX = "model.safetensors.index.json"
-_SINGLE = "model.safetensors"
-
-
 def _require_weights(path: str) -> None:
     """A clear message for a directory without HF weights, before anything is read."""
-    if not any(os.path.exists(os.path.join(path, name)) for name in (_INDEX, _SINGLE)):
+    if not any(os.path.exists(os.path.join(path, name)) for name in (INDEX_FILE, WEIGHTS_FILE)):
         raise FileNotFoundError(
-            f"`path` must be a HF checkpoint directory holding `{_SINGLE}` or `{_INDEX}`; "
+            f"`path` must be a HF checkpoint directory holding `{WEIGHTS_FILE}` or `{INDEX_FILE}`; "
             f"found neither in {path!r}."
         )
 
