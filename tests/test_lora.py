@@ -116,6 +116,34 @@ ALL = (".layers.attn", ".layers.mlp.up", ".layers.mlp.down")
 # --- configuration and selection ----------------------------------------------------------------
 
 
+def test_module_name_is_the_weight_name_without_weight():
+    from eqx_lean.lora._lora import module_name, module_names
+
+    path = (jax.tree_util.GetAttrKey("layers"), jax.tree_util.GetAttrKey("q_proj"))
+    seen = []
+
+    def names(p, leaf):
+        seen.append((jax.tree_util.keystr(p), leaf.shape))
+        return "model.layers.{i}.self_attn.q_proj.weight"
+
+    class Stacked:
+        weight = jnp.zeros((3, 4, 2))
+
+    assert module_name(path, Stacked.weight, names) == "model.layers.{i}.self_attn.q_proj"
+    assert seen == [(".layers.q_proj.weight", (3, 4, 2))]
+    assert module_names(path, Stacked, names) == [
+        "model.layers.0.self_attn.q_proj",
+        "model.layers.1.self_attn.q_proj",
+        "model.layers.2.self_attn.q_proj",
+    ]
+    with pytest.raises(ValueError, match=r"of \.layers\.q_proj '<module>\.weight' .* gave 'q'\."):
+        module_name(path, Stacked.weight, lambda p, leaf: "q")
+    with pytest.raises(
+        ValueError, match=r"with '\{i\}' \(the layer index\); it gave 'm\.q\.weight'\."
+    ):
+        module_names(path, Stacked, lambda p, leaf: "m.q.weight")
+
+
 def test_config_canonical_form_scale_and_errors():
     assert LoraConfig(target_modules=["v", "q", "v"]) == LoraConfig(target_modules=("q", "v"))
     assert LoraConfig(target_modules=("q", "v")).target_modules == ("q", "v")

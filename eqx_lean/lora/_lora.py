@@ -151,24 +151,41 @@ def weight_path(path: tuple[Any, ...]) -> tuple[Any, ...]:
     return (*path, jax.tree_util.GetAttrKey("weight"))
 
 
-def module_names(path: tuple[Any, ...], linear: Any, names: Any | None) -> list[str]:
-    """The names `target_modules` is matched against: one dotted path (`names=None`), or one
-    name per layer from `names` applied to the base weight (`model.layers.0.self_attn.q_proj`)."""
-    if names is None:
-        return [dotted(jax.tree_util.keystr(path))]
-    weight = linear.weight
+def module_name(path: tuple[Any, ...], weight: Any, names: Callable[[Any, Any], Any]) -> str:
+    """The module name of a linear layer, as PEFT names adapters: its weight's tensor name.
+
+    **Arguments:**
+
+    - `path`: the key path of the linear layer (or of the `LoraLinear` in its place).
+    - `weight`: its base weight.
+    - `names`: the name function `(path, leaf) -> tensor name` of the model without adapters.
+
+    **Returns:**
+
+    The name `names` gives the weight, such as `"model.layers.{i}.self_attn.q_proj.weight"`,
+    without its `.weight`; a `ValueError` where that name does not end in `.weight`.
+    """
     name = names(weight_path(path), weight)
     if not isinstance(name, str) or not name.endswith(".weight"):
         raise ValueError(
             f"`names` must name the weight of {jax.tree_util.keystr(path)} '<module>.weight' "
             f"(PEFT names adapters after the module); it gave {name!r}."
         )
-    module = name.removesuffix(".weight")
+    return name.removesuffix(".weight")
+
+
+def module_names(path: tuple[Any, ...], linear: Any, names: Any | None) -> list[str]:
+    """The names `target_modules` is matched against: one dotted path (`names=None`), or one
+    name per layer from `names` applied to the base weight (`model.layers.0.self_attn.q_proj`)."""
+    if names is None:
+        return [dotted(jax.tree_util.keystr(path))]
+    weight = linear.weight
+    module = module_name(path, weight, names)
     if weight.ndim == 3:
         if "{i}" not in module:
             raise ValueError(
                 f"`names` must give the stacked weight of {jax.tree_util.keystr(path)} a name "
-                f"with '{{i}}' (the layer index); it gave {name!r}."
+                f"with '{{i}}' (the layer index); it gave {module + '.weight'!r}."
             )
         return [module.replace("{i}", str(i)) for i in range(weight.shape[0])]
     return [module]

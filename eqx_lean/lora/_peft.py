@@ -38,10 +38,10 @@ from ._lora import (
     adapter_shardings,
     lora_config_of,
     lora_sites,
+    module_name,
     place,
     replace_modules,
     select,
-    weight_path,
     zero_unselected,
 )
 from ._peft_fields import FIELDS, check_fields, field_error
@@ -131,17 +131,6 @@ def from_peft(peft: Mapping[str, Any], file: str = CONFIG_FILE) -> LoraConfig:
         raise field_error("target_modules", f"must be valid ({error})", targets, file) from error
 
 
-def _module_name(path: Any, weight: Any, names: Names) -> str:
-    """`<module>` of a LoRA-adapted linear layer: its base weight's name minus `.weight`."""
-    name = names(weight_path(path), weight)
-    if not isinstance(name, str) or not name.endswith(".weight"):
-        raise ValueError(
-            f"`names` must name the weight of {jax.tree_util.keystr(path)} '<module>.weight' "
-            f"(PEFT names adapters after the module); it gave {name!r}."
-        )
-    return name.removesuffix(".weight")
-
-
 def _tensor(module: str, matrix: str, layer: int | None = None) -> str:
     """PEFT's name of one adapter matrix (`matrix` is `lora_A` or `lora_B`)."""
     if layer is not None:
@@ -191,7 +180,7 @@ def save_adapters(
                 f"`model` must hold unmerged adapters to save them; {shown} is merged "
                 "(`unmerge_lora(model)` first)."
             )
-        module = _module_name(where, layer.base.weight, names)
+        module = module_name(where, layer.base.weight, names)
         for matrix in ("lora_A", "lora_B"):
             array = getattr(layer, matrix)
             if layer.layers is None:  # `{i}` in a stacked leaf's name: one tensor per layer
@@ -301,7 +290,7 @@ def load_adapters(
         like: dict[str, jax.ShapeDtypeStruct] = {}
         for site in sites:
             weight = site.module.weight
-            module = _module_name(site.path, weight, names)
+            module = module_name(site.path, weight, names)
             *layers, out_features, in_features = weight.shape
             shapes = {"lora_A": (config.r, in_features), "lora_B": (out_features, config.r)}
             for matrix, shape in shapes.items():
@@ -319,7 +308,7 @@ def load_adapters(
     new = {}
     for site in sites:
         weight = site.module.weight
-        module = _module_name(site.path, weight, names)
+        module = module_name(site.path, weight, names)
         pair = []
         for matrix in ("lora_A", "lora_B"):
             if site.layers is None:
@@ -345,7 +334,7 @@ def _check_layer_count(checkpoint: eqx_lean.Checkpoint, sites: list[Any], names:
         weight = site.module.weight
         if weight.ndim != 3 or site.layers is not None:
             continue
-        prefix = _tensor(_module_name(site.path, weight, names), "lora_A").split("{i}", 1)[0]
+        prefix = _tensor(module_name(site.path, weight, names), "lora_A").split("{i}", 1)[0]
         held, expected = stored_layer_count(stored, prefix), weight.shape[0]
         if held and held != expected:
             raise ValueError(
