@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from _worker_runs import run_json
+from _worker_runs import run_json, tokens
 
 
 SEQ = 16
@@ -47,11 +47,6 @@ def _rss_kib() -> dict[str, int]:
         if key in ("RssAnon", "RssFile", "VmHWM"):
             fields[key] = int(value.split()[0])
     return fields
-
-
-def _tokens(vocab_size: int) -> list[int]:
-
-    return np.random.default_rng(0).integers(0, vocab_size, size=SEQ).tolist()
 
 
 def _weight_files(checkpoint: str) -> list[Path]:
@@ -87,7 +82,7 @@ def eqx_worker(checkpoint: str, file_backed: bool, cache: str | None) -> dict:
     model = load_hf(checkpoint, file_backed=file_backed)
     jax.block_until_ready(model)
     loaded = time.perf_counter()
-    ids = jnp.asarray([_tokens(model.config.vocab_size)], dtype=jnp.int32)
+    ids = jnp.asarray([tokens(model.config.vocab_size, SEQ)], dtype=jnp.int32)
     logits = np.asarray(eqx.filter_jit(lambda m, i: m(i))(model, ids))
     done = time.perf_counter()
     nbytes = tree_bytes(model)
@@ -102,7 +97,7 @@ def torch_worker(checkpoint: str) -> dict:
     start = time.perf_counter()
     model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16)
     loaded = time.perf_counter()
-    ids = torch.tensor([_tokens(model.config.vocab_size)], dtype=torch.long)
+    ids = torch.tensor([tokens(model.config.vocab_size, SEQ)], dtype=torch.long)
     with torch.no_grad():
         logits = model(input_ids=ids).logits.float().numpy()
     done = time.perf_counter()

@@ -35,17 +35,11 @@ import os
 import sys
 import time
 
-from _worker_runs import run_json
+from _worker_runs import run_json, tokens
 
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LEARNING_RATE = 1e-4
-
-
-def _tokens(vocab_size: int, seq: int) -> list[int]:
-    import numpy as np
-
-    return np.random.default_rng(0).integers(0, vocab_size, size=seq).tolist()
 
 
 def _config(checkpoint: str) -> dict:
@@ -68,7 +62,7 @@ def eqx_worker(checkpoint: str, seq: int, steps: int) -> dict:
     optimizer = adamw(LEARNING_RATE, weight_decay=0.0)
     opt_state = optimizer.init(adapters)
     step = make_lora_step(optimizer, remat=True)
-    batch = jnp.asarray([_tokens(model.config.vocab_size, seq)], dtype=jnp.int32)
+    batch = jnp.asarray([tokens(model.config.vocab_size, seq)], dtype=jnp.int32)
     wall, cpu, losses = [], [], []
     for _ in range(steps):
         start_wall, start_cpu = time.perf_counter(), time.process_time()
@@ -94,7 +88,7 @@ def torch_worker(checkpoint: str, seq: int, steps: int) -> dict:
     model.train()
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=LEARNING_RATE, weight_decay=0.0)
-    batch = torch.tensor([_tokens(model.config.vocab_size, seq)], dtype=torch.long)
+    batch = torch.tensor([tokens(model.config.vocab_size, seq)], dtype=torch.long)
     wall, cpu, losses = [], [], []
     for _ in range(steps):
         start_wall, start_cpu = time.perf_counter(), time.process_time()
