@@ -40,14 +40,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import eqx_lean
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
+from eqx_lean._core import tree_bytes
+from eqx_lean._rss import status_kib
 
 
 def _gib(kib: float) -> str:
@@ -64,17 +58,17 @@ class _AnonymousPeak(threading.Thread):
 
     def __init__(self) -> None:
         super().__init__(daemon=True)
-        self.peak_kib = _status_kib("RssAnon")
+        self.peak_kib = status_kib("RssAnon")
         self._stop_event = threading.Event()
 
     def run(self) -> None:
         while not self._stop_event.wait(0.003):
-            self.peak_kib = max(self.peak_kib, _status_kib("RssAnon"))
+            self.peak_kib = max(self.peak_kib, status_kib("RssAnon"))
 
     def stop(self) -> int:
         self._stop_event.set()
         self.join()
-        return max(self.peak_kib, _status_kib("RssAnon"))
+        return max(self.peak_kib, status_kib("RssAnon"))
 
 
 def _forward_and_decode(model: Any) -> None:
@@ -96,13 +90,11 @@ def _forward_and_decode(model: Any) -> None:
 
 
 def _model_kib(model: Any) -> float:
-    return sum(x.nbytes for x in jax.tree.leaves(model)) / 1024
+    return tree_bytes(model) / 1024
 
 
 def _report_totals(sampler: _AnonymousPeak) -> None:
-    print(
-        f"whole run: peak RSS {_gib(_status_kib('VmHWM'))}, peak anonymous {_gib(sampler.stop())}"
-    )
+    print(f"whole run: peak RSS {_gib(status_kib('VmHWM'))}, peak anonymous {_gib(sampler.stop())}")
 
 
 def _step_line(step: str, what: str, peak_kib: float, final_kib: float, seconds: float) -> str:
@@ -144,14 +136,14 @@ def build(args: argparse.Namespace) -> None:
         config = dataclasses.replace(config, dtype=args.dtype)
     key = jax.random.key(args.seed)
     jax.devices()
-    idle = _status_kib("VmRSS")
+    idle = status_kib("VmRSS")
     sampler = _AnonymousPeak()
     sampler.start()
     start = time.perf_counter()
     model = init(config, key=key, progress=True)
     jax.block_until_ready(model)
     seconds = time.perf_counter() - start
-    peak = _status_kib("VmHWM") - idle
+    peak = status_kib("VmHWM") - idle
     final = _model_kib(model)
     print(f"config: {args.preset}, {config.num_hidden_layers} layers, {config.dtype}")
     print(_step_line("build", "peak RSS over idle", peak, final, seconds))
@@ -164,7 +156,7 @@ def load_command(args: argparse.Namespace) -> None:
     if args.quantize and args.save:
         raise SystemExit("--save writes a full-precision checkpoint: not with --quantize.")
     jax.devices()
-    idle_anon = _status_kib("RssAnon")
+    idle_anon = status_kib("RssAnon")
     sampler = _AnonymousPeak()
     sampler.start()
     start = time.perf_counter()
@@ -264,7 +256,7 @@ def finetune_command(args: argparse.Namespace) -> None:
     print(
         f"loss {losses[0]:.4f} -> {losses[-1]:.4f}; first step {seconds[0]:.2f} s (with "
         f"compilation), then {sum(later) / len(later):.3f} s/step; "
-        f"peak RSS {_gib(_status_kib('VmHWM'))}"
+        f"peak RSS {_gib(status_kib('VmHWM'))}"
     )
     if args.save_state:
         print(f"state written to {args.save_state} (resume with --resume)")
@@ -302,7 +294,7 @@ def merge_command(args: argparse.Namespace) -> None:
     else:
         # The base weights were loaded for this merge alone, so they are updated in place.
         save_hf(merge_lora(model, donate=True), args.out, files=tokenizer_files)
-    print(f"merged checkpoint written to {args.out}; peak RSS {_gib(_status_kib('VmHWM'))}")
+    print(f"merged checkpoint written to {args.out}; peak RSS {_gib(status_kib('VmHWM'))}")
 
 
 def lora_memory_command(args: argparse.Namespace) -> None:
