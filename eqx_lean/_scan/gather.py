@@ -20,7 +20,8 @@ from jax.sharding import NamedSharding, PartitionSpec, Sharding
 from .. import _platform
 from .._compat import shard_alike
 from .._core import ShardingPolicy, has_explicit_axes, resolve_shardings
-from .._core.sharding import aval_mesh, describe_mesh, same_mesh
+from .._core.layout import layer_struct
+from .._core.sharding import aval_mesh, constrain, describe_mesh, same_mesh
 from .remat import checkpointed
 
 
@@ -70,7 +71,7 @@ def _resolve_policy(
                 f"{describe_mesh(mesh)}, {jax.tree_util.keystr(path)} on {describe_mesh(other)}."
             )
     # Per layer, as the rule sees them in `build_stacked`: shapes without the layer axis.
-    structs = [jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype) for leaf in leaves]
+    structs = [layer_struct(leaf) for leaf in leaves]
     resolved = resolve_shardings(
         gather, _concrete_mesh(leaves) or mesh, paths, structs, treedef, argument="gather"
     )
@@ -126,12 +127,6 @@ def gather_targets(dynamic: Any, gather: Gather) -> _Targets:
     return _resolve_policy(gather, paths, leaves, treedef)
 
 
-def _constrain(x: Any, target: NamedSharding) -> Any:
-    if has_explicit_axes(target):
-        return jax.sharding.reshard(x, target)
-    return lax.with_sharding_constraint(x, target)
-
-
 def gathered_step(step: _Step, targets: _Targets) -> _Step:
     """Wraps the per-layer step: the sliced layer's leaves are constrained to `targets` first.
 
@@ -148,7 +143,7 @@ def gathered_step(step: _Step, targets: _Targets) -> _Step:
         # `benchmarks/sharded_forward.py`). After the barrier the slice is a layer of its own.
         # Measured on XLA:CPU only, so only programs lowered for CPU get it.
         leaves = _platform.barrier_on_cpu(leaves)
-        return [x if t is None else _constrain(x, t) for x, t in zip(leaves, targets, strict=True)]
+        return [x if t is None else constrain(x, t) for x, t in zip(leaves, targets, strict=True)]
 
     # Saved as residuals, the gathered layers of a whole stack would be held at once.
     gather_leaves = checkpointed(gather_leaves, jax.checkpoint_policies.nothing_saveable)
