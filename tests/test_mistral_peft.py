@@ -5,6 +5,7 @@ write for each initialisation, and the logits of `PeftModel.from_pretrained` on 
 `MistralForCausalLM` (float32, eager attention).
 """
 
+import copy
 import dataclasses
 import json
 import os
@@ -14,6 +15,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from test_mistral import TINY, forward, hf_logits, hf_model, max_diff, tokens
 from test_mistral_lora import fresh_hf
@@ -274,7 +276,20 @@ def _logits_match_peft(base: pathlib.Path, adapter: pathlib.Path) -> None:
     model = load_adapters(load_hf(base, dtype=jnp.float32), adapter)
     with jax.default_matmul_precision("highest"):
         ours = forward(model, jnp.asarray(input_ids))
-    assert max_diff(ours, expected) <= 1e-5
+    # Against PEFT's own model in float64, within twice PEFT's float32 error of it (the
+    # standard of test_mistral's parity tests). Not a fixed bound between the two float32
+    # results: each rounds by up to about 1e-5 here, and how they add up depends on the CPU's
+    # kernels (CorDA's converted adapter: 1.5e-5 apart on an AVX-512 VM, each within 0.7-0.9e-5
+    # of float64).
+    exact = float64_logits(reference, input_ids)
+    assert max_diff(ours, exact) <= 2 * max_diff(expected, exact)
+
+
+def float64_logits(model, input_ids) -> np.ndarray:
+    """`model`'s logits computed in float64 (on a float64 copy; `model` is left as it is)."""
+    with torch.no_grad():
+        wide = copy.deepcopy(model).double()
+        return wide(torch.from_numpy(np.asarray(input_ids, np.int64))).logits.numpy()
 
 
 def test_all_linear_adapter_loads_with_peft_logits(base, tmp_path):
