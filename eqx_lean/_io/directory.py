@@ -152,7 +152,10 @@ def resolve_target(path: str | os.PathLike) -> tuple[Path, os.stat_result | None
     return target, info
 
 
-class Target(NamedTuple):
+class SavePlan(NamedTuple):
+    """What `plan` found: the checkpoint directory a save replaces, as it was, and what becomes of
+    its entries (carried over, or owned and rewritten with their old modes)."""
+
     path: Path  # the directory replaced (links resolved)
     identity: tuple[int, int] | None  # its (device, inode) when planned; None if missing
     mode: int  # its permission bits, which the new directory gets
@@ -166,7 +169,7 @@ class Target(NamedTuple):
         return self.identity is not None
 
 
-def plan(path: str | os.PathLike, owns: Owner, other_weights: OtherWeights) -> Target:
+def plan(path: str | os.PathLike, owns: Owner, other_weights: OtherWeights) -> SavePlan:
     """Checks `path` and sorts the entries of an existing target into owned, carried over and
     refused (see `carry`), before anything is written; warns about leftovers of saves that
     died.
@@ -180,7 +183,7 @@ def plan(path: str | os.PathLike, owns: Owner, other_weights: OtherWeights) -> T
 
     **Returns:**
 
-    The `Target`.
+    The `SavePlan`.
     """
     if other_weights not in ("refuse", "keep", "drop"):
         raise ValueError(
@@ -201,9 +204,9 @@ def plan(path: str | os.PathLike, owns: Owner, other_weights: OtherWeights) -> T
             "renames an old checkpoint back where the directory is missing."
         )
     if info is None or listing is None:
-        return Target(target, None, 0o777, {}, {}, owns, other_weights)
+        return SavePlan(target, None, 0o777, {}, {}, owns, other_weights)
     identity = (info.st_dev, info.st_ino)
-    return Target(
+    return SavePlan(
         target, identity, listing.mode, listing.carried, listing.owned_modes, owns, other_weights
     )
 
@@ -235,63 +238,63 @@ def _identity(path: Path | None) -> tuple[int, int] | None:
     return info.st_dev, info.st_ino
 
 
-def replace(target: Target, write_owned: Callable[[Path, Mapping[str, int]], None]) -> None:
-    """Writes the new checkpoint beside `target.path` and swaps it into place atomically.
+def replace(planned: SavePlan, write_owned: Callable[[Path, Mapping[str, int]], None]) -> None:
+    """Writes the new checkpoint beside `planned.path` and swaps it into place atomically.
 
     **Arguments:**
 
-    - `target`: from `plan`.
+    - `planned`: from `plan`.
     - `write_owned`: writes the save's own files into the directory it is given (with
         `fs.write_file` or `fs.copy_file`), each given the mode of the old file of that name
         when the mapping holds one.
 
     If anything fails before the swap, the partial new directory is deleted and the error gets
-    notes saying that `target.path` still holds the old checkpoint (and where a leftover lies,
+    notes saying that `planned.path` still holds the old checkpoint (and where a leftover lies,
     if deleting failed too). Once swapped, the save has succeeded: failing to delete the old
     checkpoint is a warning naming where it lies.
     """
-    path = target.path
+    path = planned.path
     aside = leftovers.leftover_name(path, "old")  # used only without an atomic exchange
     made: list[Path] = []
     new_identity = None
     with contextlib.ExitStack() as locks:  # released once the save ends
         try:
             _make_parents(path)
-            mode = 0o700 if target.exists else 0o777
+            mode = 0o700 if planned.exists else 0o777
             new = leftovers.make_locked_dir(path, mode, locks, made)
             new_identity = _identity(new)
-            write_owned(new, target.owned_modes)
+            write_owned(new, planned.owned_modes)
             carrier = carry.Carrier(path, new)
-            carrier.update(target.carried)
-            old = _swap(target, carrier, aside, locks)
+            carrier.update(planned.carried)
+            old = _swap(planned, carrier, aside, locks)
         except BaseException as error:
-            _explain(error, target, (made[-1] if made else None, new_identity), aside)
+            _explain(error, planned, (made[-1] if made else None, new_identity), aside)
             raise
         _after_swap(path, old)
 
 
-def _settle(target: Target, carrier: carry.Carrier) -> carry.Listing | None:
+def _settle(planned: SavePlan, carrier: carry.Carrier) -> carry.Listing | None:
     """Lists the target again and brings the copy up to date, until a listing finds nothing new
     (`RELISTS` listings at most); returns the last listing (`None` if the target is missing).
 
     A weight file that appears while the save runs is copied even with
     `other_weights="refuse"`: it is too late to ask, and losing it is worse than copying it.
     """
-    policy = "keep" if target.other_weights == "refuse" else target.other_weights
+    policy = "keep" if planned.other_weights == "refuse" else planned.other_weights
     changed: list[str] = []
     listing = None
     for _ in range(RELISTS):
-        listing = carry.list_target(target.path, target.owns, policy, _mount_points())
+        listing = carry.list_target(planned.path, planned.owns, policy, _mount_points())
         if listing is None:
             return None  # deleted meanwhile: what was copied from it stays in the new one
         carry.refuse(
-            target.path, listing, "It appeared while the save ran, which stopped before the swap."
+            planned.path, listing, "It appeared while the save ran, which stopped before the swap."
         )
         changed = carrier.update(listing.carried)
         if not changed:
             return listing
     _warn(
-        f"eqx_lean: {', '.join(changed[:5])} in {target.path} kept changing while the save "
+        f"eqx_lean: {', '.join(changed[:5])} in {planned.path} kept changing while the save "
         f"copied them ({RELISTS + 1} copies); the new checkpoint holds the last copy, which a "
         "write under way may have torn."
     )
@@ -335,7 +338,7 @@ def _lock_occupant(path: Path, locks: contextlib.ExitStack) -> tuple[int, int] |
 
 
 def _swap(
-    target: Target, carrier: carry.Carrier, aside: Path, locks: contextlib.ExitStack
+    planned: SavePlan, carrier: carry.Carrier, aside: Path, locks: contextlib.ExitStack
 ) -> Path | None:
     """Brings the copy up to date, flushes it and swaps it in; returns where the old
     checkpoint then lies (`None` if there was none).
@@ -345,13 +348,13 @@ def _swap(
     again, so it carries over what that one holds, and never leaves a directory it swapped out
     unlocked for a third save to take for a dead save's.
     """
-    path, new = target.path, carrier.new
+    path, new = planned.path, carrier.new
     for _ in range(SWAP_TRIES):
         occupant = _lock_occupant(path, locks)  # before the last listing, as a wait may be
-        listing = _settle(target, carrier)
+        listing = _settle(planned, carrier)
         if _identity(path) != occupant:
             continue  # replaced, made or deleted since it was locked: lock and list again
-        mode = listing.mode if listing is not None else target.mode if target.exists else None
+        mode = listing.mode if listing is not None else planned.mode if planned.exists else None
         carrier.finish(mode)
         try:
             if listing is None:
@@ -393,13 +396,13 @@ def _hold_swapped_out(old: Path, occupant: tuple[int, int] | None, locks: contex
 
 def _explain(
     error: BaseException,
-    target: Target,
+    planned: SavePlan,
     built: tuple[Path | None, tuple[int, int] | None],
     aside: Path,
 ) -> None:
     """Adds to `error` what became of the old and the new checkpoint (`built`: the new
     directory and its identity, once made)."""
-    path = target.path
+    path = planned.path
     new, new_identity = built
     now = _identity(path)
     if new is not None and now is not None and now == new_identity:
@@ -413,18 +416,18 @@ def _explain(
             f"to {path} (`eqx_lean.remove_leftovers` does). The new one lies in {new}."
         )
     else:
-        _failed_before_swap(error, target, new)
+        _failed_before_swap(error, planned, new)
 
 
-def _failed_before_swap(error: BaseException, target: Target, new: Path | None) -> None:
+def _failed_before_swap(error: BaseException, planned: SavePlan, new: Path | None) -> None:
     """Deletes the partial new checkpoint, and adds to `error` what became of everything."""
-    now = _identity(target.path)
-    if target.exists and now == target.identity:
-        state = f"{target.path} still holds the old checkpoint, unchanged."
-    elif not target.exists and now is None:
-        state = f"{target.path} did not exist before, and the save put nothing there."
+    now = _identity(planned.path)
+    if planned.exists and now == planned.identity:
+        state = f"{planned.path} still holds the old checkpoint, unchanged."
+    elif not planned.exists and now is None:
+        state = f"{planned.path} did not exist before, and the save put nothing there."
     else:
-        state = f"{target.path} holds what another process put there; this save changed nothing."
+        state = f"{planned.path} holds what another process put there; this save changed nothing."
     error.add_note(f"eqx_lean: the save failed before the new checkpoint was in place: {state}")
     if new is None or not new.exists():
         return

@@ -282,7 +282,7 @@ def _save(
     files = _split_files(records, options["max_shard_bytes"])
     file_names = owned.weight_file_names(weights_name, len(files))
     owns = owned.owner(weights_name, extra)
-    target = directory.plan(path, owns, options["other_weights"])
+    planned = directory.plan(path, owns, options["other_weights"])
 
     def write_owned(new: Path, modes: Mapping[str, int]) -> None:
         for file_name, file_records in zip(file_names, files, strict=True):
@@ -300,7 +300,7 @@ def _save(
     # Arrays are sliced by small jitted functions on the devices holding them: a mesh set with
     # `jax.set_mesh` would make those refuse arrays on one device of it.
     with jax.set_mesh(None):
-        directory.replace(target, write_owned)
+        directory.replace(planned, write_owned)
 
 
 def save_tensors(
