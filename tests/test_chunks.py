@@ -19,9 +19,9 @@ REPO = Path(__file__).resolve().parent.parent
 MIB = 2**20
 
 
-def target(shape, dtype=jnp.bfloat16, stacked=True, source=np.float32, sharding=None):
+def buffer_plan(shape, dtype=jnp.bfloat16, stacked=True, source=np.float32, sharding=None):
     struct = jax.ShapeDtypeStruct(shape, dtype)
-    return chunk_plan.Target(struct, sharding, stacked, np.dtype(source))
+    return chunk_plan.BufferPlan(struct, sharding, stacked, np.dtype(source))
 
 
 # Mistral-7B-shaped: one block's leaves (stacked over 32 layers) and the embedding and head.
@@ -30,9 +30,9 @@ BLOCK += [(14336, 4096), (14336, 4096), (4096, 14336)]
 
 
 def test_calls_cover_every_row_within_the_chunk_budget():
-    targets = [target((32, *shape)) for shape in BLOCK]
-    targets += [target((32000, 4096), stacked=False), target((4096,), stacked=False)]
-    (stacked, plain) = chunks.plan_chunks(targets, 4 * MIB, host_writes=False)
+    plans = [buffer_plan((32, *shape)) for shape in BLOCK]
+    plans += [buffer_plan((32000, 4096), stacked=False), buffer_plan((4096,), stacked=False)]
+    (stacked, plain) = chunks.plan_chunks(plans, 4 * MIB, host_writes=False)
     for group in (stacked, plain):
         staged = sum(p.staged_bytes() for p in group.parts)
         one_row = sum(
@@ -46,16 +46,16 @@ def test_calls_cover_every_row_within_the_chunk_budget():
                 for call in range(group.calls)
             }
             covered = set().union(*(range(s, s + part.rows) for s in starts))
-            assert covered == set(range(rows)), part.target
+            assert covered == set(range(rows)), part.buffer
     assert stacked.local_layers == 32 and plain.local_layers == 1
 
 
 def test_compiled_write_needs_at_most_one_chunk_beside_its_buffers():
     """float32 values cast into bfloat16 Mistral-7B buffers (13.5 GiB, compiled only): the
     write's temporaries are at most the chunk (the cast values), never a tensor or a layer."""
-    targets = [target((32, *shape)) for shape in BLOCK]
-    targets += [target((32000, 4096), stacked=False), target((32000, 4096), stacked=False)]
-    for group in chunks.plan_chunks(targets, 4 * MIB, host_writes=False):
+    plans = [buffer_plan((32, *shape)) for shape in BLOCK]
+    plans += [buffer_plan((32000, 4096), stacked=False), buffer_plan((32000, 4096), stacked=False)]
+    for group in chunks.plan_chunks(plans, 4 * MIB, host_writes=False):
         analysis = memory_analysis(chunks.lower_chunk_write(group).compile())
         buffers = sum(int(np.prod(b.shape)) * 2 for b in group.buffers)
         assert analysis.alias_size_in_bytes == buffers  # updated in place
@@ -72,15 +72,15 @@ def test_sharded_compiled_write_is_one_program_for_every_device(tmp_path):
             from eqx_lean._core import chunk_plan, chunks, memory_analysis
 
             mesh = jax.make_mesh((8,), ("data",))
-            def target(shape, spec, stacked=True):
+            def buffer_plan(shape, spec, stacked=True):
                 struct = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
                 sharding = NamedSharding(mesh, spec)
-                return chunk_plan.Target(struct, sharding, stacked, np.dtype(np.float32))
-            targets = [target((32, 14336, 4096), P(None, "data")),
-                       target((32, 4096, 14336), P(None, None, "data")),
-                       target((32, 4096), P()),
-                       target((32000, 4096), P("data"), stacked=False)]
-            for group in chunks.plan_chunks(targets, 4 * 2**20, host_writes=False):
+                return chunk_plan.BufferPlan(struct, sharding, stacked, np.dtype(np.float32))
+            plans = [buffer_plan((32, 14336, 4096), P(None, "data")),
+                     buffer_plan((32, 4096, 14336), P(None, None, "data")),
+                     buffer_plan((32, 4096), P()),
+                     buffer_plan((32000, 4096), P("data"), stacked=False)]
+            for group in chunks.plan_chunks(plans, 4 * 2**20, host_writes=False):
                 analysis = chunks.lower_chunk_write(group).compile().memory_analysis()
                 per_device = sum(
                     int(np.prod(b.sharding.shard_shape(b.shape))) * 2 for b in group.buffers)
@@ -99,7 +99,7 @@ def test_sharded_compiled_write_is_one_program_for_every_device(tmp_path):
 
 def test_host_buffers_allocated_in_threads_come_back_in_target_order():
     # The host allocations run in a thread pool, one shard each; the buffers must still match
-    # their targets one for one (shape, dtype, sharding), be zeros, and be XLA's own memory.
+    # their plans one for one (shape, dtype, sharding), be zeros, and be XLA's own memory.
     device = jax.devices()[0]
     mesh = jax.sharding.Mesh(np.array([device]), ("data",))
     shardings = [
@@ -109,12 +109,12 @@ def test_host_buffers_allocated_in_threads_come_back_in_target_order():
     ]
     shapes = [(3, 5, 7), (9,), (4, 6), (2, 2, 2), (1,), (8, 3)]
     dtypes = [jnp.bfloat16, jnp.float32, jnp.int8]
-    targets = [
-        target(shape, dtypes[j % 3], stacked=len(shape) == 3, sharding=shardings[j % 3])
+    plans = [
+        buffer_plan(shape, dtypes[j % 3], stacked=len(shape) == 3, sharding=shardings[j % 3])
         for j, shape in enumerate(shapes)
     ]
-    buffers = chunks.allocate_targets(targets, host_writes=True)
-    for j, (t, buffer) in enumerate(zip(targets, buffers, strict=True)):
+    buffers = chunks.allocate_buffers(plans, host_writes=True)
+    for j, (t, buffer) in enumerate(zip(plans, buffers, strict=True)):
         assert buffer.shape == t.struct.shape and buffer.dtype == t.struct.dtype, j
         assert buffer.committed == (t.sharding is not None), j
         if t.sharding is not None:
@@ -122,15 +122,15 @@ def test_host_buffers_allocated_in_threads_come_back_in_target_order():
         np.testing.assert_array_equal(np.asarray(buffer), np.zeros(t.struct.shape, t.struct.dtype))
         before = buffer.unsafe_buffer_pointer()
         updated = jax.jit(lambda x: x + 1, donate_argnums=0)(buffer)
-        assert updated.unsafe_buffer_pointer() == before, f"target {j}: donation copied"
+        assert updated.unsafe_buffer_pointer() == before, f"buffer {j}: donation copied"
 
 
 @pytest.mark.parametrize("host_writes", [True, False])
 def test_zero_size_buffers_are_allocated_and_left_alone(host_writes):
-    targets = [target((3, 0, 4)), target((2, 5), stacked=False)]
-    groups = chunks.plan_chunks(targets, MIB, host_writes=host_writes)
-    assert [p.target for g in groups for p in g.parts] == [1]
-    buffers = chunks.allocate_targets(targets, host_writes=host_writes)
+    plans = [buffer_plan((3, 0, 4)), buffer_plan((2, 5), stacked=False)]
+    groups = chunks.plan_chunks(plans, MIB, host_writes=host_writes)
+    assert [p.buffer for g in groups for p in g.parts] == [1]
+    buffers = chunks.allocate_buffers(plans, host_writes=host_writes)
     assert [b.shape for b in buffers] == [(3, 0, 4), (2, 5)]
     values = np.arange(10, dtype=np.float32).reshape(2, 5)
     compiled = chunks.compile_chunk_writes(groups)

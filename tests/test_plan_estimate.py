@@ -142,13 +142,13 @@ def test_plan_load_on_cpu_with_compiled_writes(saved, monkeypatch):
     plan = eqx_lean.memory.plan_load(path, like, _names, target="cpu", dtype=jnp.bfloat16)
     # The same write, planned and compiled here: one group, one call per layer.
     device = SingleDeviceSharding(jax.devices("cpu")[0])
-    targets = [
-        chunk_plan.Target(
+    plans = [
+        chunk_plan.BufferPlan(
             jax.ShapeDtypeStruct((4, *shape), jnp.bfloat16), device, True, np.dtype("float32")
         )
         for shape in [(128,), (128, 64)]  # `like`'s leaf order: bias, weight
     ]
-    (group,) = core_chunks.plan_chunks(targets, 4 * 2**20)
+    (group,) = core_chunks.plan_chunks(plans, 4 * 2**20)
     stats = core_chunks.lower_chunk_write(group).compile().memory_analysis()
     assert stats is not None
     temp = stats.temp_size_in_bytes

@@ -23,9 +23,9 @@ scripts in `benchmarks/` may use it. It is not public API and may change between
   builds' writes, the chunk writes and `init.chunked`'s fills, each with its own key recipe;
   `settings_key`, `clear_caches`).
 - `chunks`: the loaders' engine: buffers filled from host data in bounded pieces
-  (`plan_chunks`, `allocate_targets`, `compile_chunk_writes`, `fill_chunks`; `lower_chunk_write`
+  (`plan_chunks`, `allocate_buffers`, `compile_chunk_writes`, `fill_chunks`; `lower_chunk_write`
   for inspection), by host writes on CPU or compiled chunk writes elsewhere (`HOST_WRITES`
-  switches the first off); `chunk_plan`: the plan's types (`Target`, `ChunkGroup`, the
+  switches the first off); `chunk_plan`: the plan's types (`BufferPlan`, `ChunkGroup`, the
   `Reader` and `Releaser` a fill takes); `chunk_writes`: those compiled writes (`shard_map` on
   a mesh).
 

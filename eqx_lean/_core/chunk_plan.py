@@ -1,4 +1,4 @@
-"""The loaders' plan types: what a buffer to fill is (`Target`), how its host values are read
+"""The loaders' plan types: what a buffer to fill is (`BufferPlan`), how its host values are read
 (`Reader`, `Releaser`), and how the buffers are grouped and cut into calls (`ChunkGroup`,
 `ChunkPart`). `chunks` makes the plan and fills the buffers; `chunk_writes` compiles the writes
 a group's plan describes. Both import this module and not each other.
@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding, Sharding
 from .. import _platform
 
 
-class Target(NamedTuple):
+class BufferPlan(NamedTuple):
     """One buffer to fill from host data.
 
     **Attributes:**
@@ -32,10 +32,11 @@ class Target(NamedTuple):
     source_dtype: np.dtype
 
 
-# `read(target, layer, index)`: the host values of `target` at `index` (in the target's axis
-# order; for a stacked target, an index into one layer, whose global index is `layer`).
+# `read(buffer, layer, index)`: the host values of buffer `buffer` (an index into the plans) at
+# `index` (in the buffer's axis order; for a stacked buffer, an index into one layer, whose global
+# index is `layer`).
 Reader = Callable[[int, int | None, tuple[slice, ...]], np.ndarray]
-# `release(targets, layer)`: the reader will not be asked for that layer of those targets again.
+# `release(buffers, layer)`: the reader will not be asked for that layer of those buffers again.
 Releaser = Callable[[Sequence[int], int | None], None]
 
 
@@ -46,9 +47,9 @@ def bounded(index: Any, shape: tuple[int, ...]) -> tuple[slice, ...]:
 
 
 class ChunkPart(NamedTuple):
-    """One target inside a group, as its compiled write sees it."""
+    """One buffer inside a group, as its compiled write sees it."""
 
-    target: int
+    buffer: int  # which buffer: an index into the plans (and the buffers)
     stacked: bool
     regions: tuple[tuple[Any, tuple[slice, ...]], ...]  # (device, its shard of the buffer)
     local: tuple[int, ...]  # every device's shard shape

@@ -188,7 +188,7 @@ def _values(
                 within[0] = slice(start, start + part.rows)
             key = (layer, *((s.start, s.stop) for s in within))
             if key not in staged:
-                host = read(part.target, layer, tuple(within))
+                host = read(part.buffer, layer, tuple(within))
                 staged[key] = staging.place(slot, host[None] if part.stacked else host, platform)
                 layers.add(layer)
             pieces.append((device, staged[key]))
@@ -213,7 +213,7 @@ def fill_compiled(
     release: Releaser,
 ) -> None:
     """Fills one group by calls of its compiled write, each a few rows of every buffer."""
-    members = [p.target for p in group.parts]
+    members = [p.buffer for p in group.parts]
     tricks = _tricks(group)
     staging = _Staging()
     staging.reserve(sum(p.staged_bytes() for p in group.parts))

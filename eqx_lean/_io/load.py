@@ -20,9 +20,9 @@ from .._core import (
     layer_struct,
     resolve_dtypes,
 )
-from .._core.chunk_plan import Target
+from .._core.chunk_plan import BufferPlan
 from .._core.chunks import (
-    allocate_targets,
+    allocate_buffers,
     compile_chunk_writes,
     fill_chunks,
     plan_chunks,
@@ -148,8 +148,8 @@ class _Reader:
             self.maps.release(self._tensor(j, layer)[1])
 
 
-def _allocate(targets: Sequence[Target]) -> list[Any]:
-    return allocate_targets(targets)
+def _allocate(plans: Sequence[BufferPlan]) -> list[Any]:
+    return allocate_buffers(plans)
 
 
 def _load_into(
@@ -170,16 +170,16 @@ def _load_into(
         mapped = file_backed_leaves([leaves[j] for j in named], checkpoint, selected)
         loaded = dict(zip(named, mapped, strict=True))
         return [loaded[j] if j in loaded else leaf.source for j, leaf in enumerate(leaves)]
-    targets = []
+    plans = []
     for j in named:
         leaf = leaves[j]
         assert leaf.name is not None
         first = leaf.name.at((selected or (None,))[0] if leaf.name.stacked else None)
         stored = checkpoint.tensors[first].dtype
-        targets.append(Target(leaf.target, leaf.sharding, leaf.name.stacked, stored))
-    groups = plan_chunks(targets, _CHUNK_BYTES)
+        plans.append(BufferPlan(leaf.target, leaf.sharding, leaf.name.stacked, stored))
+    groups = plan_chunks(plans, _CHUNK_BYTES)
     compiled = compile_chunk_writes(groups)  # before allocating: see its docstring
-    buffers = _allocate(targets)
+    buffers = _allocate(plans)
     maps = Maps(checkpoint.fds)
     try:
         reader = _Reader([leaves[j] for j in named], checkpoint, selected, maps)

@@ -9,7 +9,7 @@ import jax
 from jax.sharding import Mesh, Sharding, SingleDeviceSharding
 
 from .._core import DtypePolicy, LayerAxis, ShardingPolicy, check_dtype_policy, shard_bytes
-from .._core.chunk_plan import ChunkGroup, Target as ChunkTarget
+from .._core.chunk_plan import BufferPlan, ChunkGroup
 from .._core.chunk_writes import ALIGN
 from .._core.chunks import lower_chunk_write, plan_chunks
 from .._io.checks import check_checkpoint, select_layers
@@ -90,26 +90,26 @@ def _on_target(sharding: Sharding | None, where: Target, path: str) -> Sharding:
     return SingleDeviceSharding(where.devices[0]) if placed is None else placed
 
 
-def _loaded_per_device(targets: Sequence[ChunkTarget]) -> dict[Any, int]:
+def _loaded_per_device(plans: Sequence[BufferPlan]) -> dict[Any, int]:
     loaded: dict[Any, int] = {}
-    for t in targets:
-        assert t.sharding is not None
-        nbytes = shard_bytes(t.struct, t.sharding)
-        for device in t.sharding.device_set:
+    for buffer in plans:
+        assert buffer.sharding is not None
+        nbytes = shard_bytes(buffer.struct, buffer.sharding)
+        for device in buffer.sharding.device_set:
             loaded[device] = loaded.get(device, 0) + nbytes
     return loaded
 
 
-def _distinct_bytes(t: ChunkTarget) -> int:
+def _distinct_bytes(buffer: BufferPlan) -> int:
     """The leaf's bytes once, however many devices hold replicas of its shards."""
-    assert t.sharding is not None
-    indices = t.sharding.devices_indices_map(t.struct.shape)
-    shape = t.struct.shape
+    assert buffer.sharding is not None
+    indices = buffer.sharding.devices_indices_map(buffer.struct.shape)
+    shape = buffer.struct.shape
     shards = {
         tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=True))
         for index in indices.values()
     }
-    return len(shards) * shard_bytes(t.struct, t.sharding)
+    return len(shards) * shard_bytes(buffer.struct, buffer.sharding)
 
 
 def _group_devices(group: ChunkGroup) -> set[Any]:
@@ -195,7 +195,7 @@ def plan_load(
     dtype = check_dtype_policy(dtype)
     _, leaves, num_layers = _plan_leaves(like, names, dtype, sharding, mesh, layer_axis, fn, {})
     selected = select_layers(layers, num_layers)
-    targets = []
+    plans = []
     with opened(path) as checkpoint:
         check_checkpoint(leaves, checkpoint, selected, layers is not None, strict, fn)
         for leaf in leaves:
@@ -204,8 +204,8 @@ def plan_load(
             first = leaf.name.at((selected or (None,))[0] if leaf.name.stacked else None)
             stored = checkpoint.tensors[first].dtype
             placed = _on_target(leaf.sharding, where, jax.tree_util.keystr(leaf.path))
-            targets.append(ChunkTarget(leaf.target, placed, leaf.name.stacked, stored))
-    return _plan(where, targets)
+            plans.append(BufferPlan(leaf.target, placed, leaf.name.stacked, stored))
+    return _plan(where, plans)
 
 
 def _temp_bytes(compiled: Any) -> int:
@@ -215,11 +215,11 @@ def _temp_bytes(compiled: Any) -> int:
     return stats.temp_size_in_bytes
 
 
-def _plan(where: Target, targets: Sequence[ChunkTarget]) -> LoadPlan:
-    groups = plan_chunks(targets, _CHUNK_BYTES)
+def _plan(where: Target, plans: Sequence[BufferPlan]) -> LoadPlan:
+    groups = plan_chunks(plans, _CHUNK_BYTES)
     compiled = [g for g in groups if not g.host]
     temps = [_temp_bytes(lower_chunk_write(g).compile()) for g in compiled]
-    loaded = _loaded_per_device(targets)
+    loaded = _loaded_per_device(plans)
     extra: dict[Any, int] = {}  # per device: the costliest group's temporaries and values
     values = 0
     for group, temp in zip(compiled, temps, strict=True):
@@ -233,7 +233,7 @@ def _plan(where: Target, targets: Sequence[ChunkTarget]) -> LoadPlan:
         target=where.spec,
         platform=where.platform,
         num_devices=max(1, len(loaded)),
-        loaded_bytes=sum(_distinct_bytes(t) for t in targets),
+        loaded_bytes=sum(_distinct_bytes(buffer) for buffer in plans),
         loaded_bytes_per_device=max(loaded.values(), default=0),
         chunk_temp_bytes=tuple(sorted(temps, reverse=True)),
         chunk_value_bytes=values,
