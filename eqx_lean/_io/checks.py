@@ -23,7 +23,7 @@ _SHOWN = 5  # names listed in a message, before "and N more"
 
 class Leaf(NamedTuple):
     path: KeyPath
-    target: jax.ShapeDtypeStruct  # the loaded leaf: full shape, target dtype
+    struct: jax.ShapeDtypeStruct  # the loaded leaf: full shape, the dtype it is loaded as
     name: TensorName | None  # None: not stored, `source` is returned as is
     source: Any
     sharding: jax.sharding.Sharding | None
@@ -78,7 +78,7 @@ def _tensor_problems(
     """The missing tensor names and the mismatch messages for one leaf."""
     assert leaf.name is not None
     stacked = leaf.name.stacked
-    per_layer_shape = leaf.target.shape[1:] if stacked else leaf.target.shape
+    per_layer_shape = leaf.struct.shape[1:] if stacked else leaf.struct.shape
     expected_shape = leaf.name.stored_shape(per_layer_shape)
     layers: Sequence[int | None] = (selected or ()) if stacked else [None]
     missing, mismatched = [], []
@@ -97,14 +97,14 @@ def _tensor_problems(
                 f"{where} has shape {list(tensor.shape)}; expected {list(expected_shape)} "
                 f"(the leaf's shape{' per layer' if stacked else ''}{transposed})."
             )
-        target = leaf.target.dtype
-        if is_floating(target) and not is_floating(tensor.dtype):
+        dtype = leaf.struct.dtype
+        if is_floating(dtype) and not is_floating(tensor.dtype):
             mismatched.append(
-                f"{where} has dtype {tensor.dtype}; expected a floating dtype, cast to {target}."
+                f"{where} has dtype {tensor.dtype}; expected a floating dtype, cast to {dtype}."
             )
-        elif not is_floating(target) and tensor.dtype != target:
+        elif not is_floating(dtype) and tensor.dtype != dtype:
             mismatched.append(
-                f"{where} has dtype {tensor.dtype}; expected {target} (only floating tensors are "
+                f"{where} has dtype {tensor.dtype}; expected {dtype} (only floating tensors are "
                 "cast)."
             )
     if len(first_of_dtype) > 1:

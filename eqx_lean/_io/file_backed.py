@@ -90,7 +90,7 @@ def _file_backed_leaf(
 ) -> jax.Array:
     name = leaf.name
     assert name is not None
-    target = leaf.target
+    struct = leaf.struct
     _check_placement(leaf)
     if name.transpose is not None:
         raise _refuse(
@@ -99,23 +99,23 @@ def _file_backed_leaf(
             "Load it without `file_backed`.",
         )
     if name.stacked:
-        layers = list(selected if selected is not None else range(target.shape[0]))
+        layers = list(selected if selected is not None else range(struct.shape[0]))
         tensors = [checkpoint.tensors[name.at(layer)] for layer in layers]
     else:
         layers, tensors = [], [checkpoint.tensors[name.at(None)]]
     stored = tensors[0].dtype
-    if stored != np.dtype(target.dtype):
+    if stored != np.dtype(struct.dtype):
         raise _refuse(
             leaf,
-            f"the checkpoint stores it as {stored} and the load asks for {target.dtype}, and a "
+            f"the checkpoint stores it as {stored} and the load asks for {struct.dtype}, and a "
             "conversion is a copy",
             f"Load it as {stored} (the `dtype` it is stored in), or without `file_backed`.",
         )
-    count = math.prod(target.shape)
+    count = math.prod(struct.shape)
     if count == 0:
-        return jax.device_put(np.zeros(target.shape, stored), leaf.sharding)
+        return jax.device_put(np.zeros(struct.shape, stored), leaf.sharding)
     file, start = _region(leaf, tensors, layers)
-    view = maps.region(file, stored, count, start).reshape(target.shape)
+    view = maps.region(file, stored, count, start).reshape(struct.shape)
     array = jax.device_put(view, leaf.sharding)
     if array.unsafe_buffer_pointer() != view.ctypes.data:
         array.delete()

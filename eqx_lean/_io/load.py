@@ -58,7 +58,7 @@ M = TypeVar("M")
 _CHUNK_BYTES = 4 * 2**20
 
 
-def _targets(
+def _loaded_structs(
     layout: Layout, tensor_names: Sequence[TensorName | None], dtype: DtypePolicy
 ) -> list[jax.ShapeDtypeStruct]:
     # A dtype rule sees one layer of a stacked leaf, as in `build_stacked`, and rules by module
@@ -69,8 +69,8 @@ def _targets(
     ]
     chosen = resolve_dtypes(dtype, layout.combine(layout.structs), layout.paths, seen)
     return [
-        jax.ShapeDtypeStruct(leaf.shape, target)
-        for leaf, (target, _) in zip(layout.structs, chosen, strict=True)
+        jax.ShapeDtypeStruct(leaf.shape, loaded)
+        for leaf, (loaded, _) in zip(layout.structs, chosen, strict=True)
     ]
 
 
@@ -96,10 +96,10 @@ def _plan_leaves(
         path: x
         for path, x in jax.tree_util.tree_flatten_with_path(eqx.filter(like, eqx.is_array))[0]
     }
-    targets = _targets(layout, tensor_names, dtype)
+    structs = _loaded_structs(layout, tensor_names, dtype)
     leaves = []
-    for path, leaf, name, leaf_sharding, target in zip(
-        layout.paths, layout.structs, tensor_names, shardings, targets, strict=True
+    for path, leaf, name, leaf_sharding, struct in zip(
+        layout.paths, layout.structs, tensor_names, shardings, structs, strict=True
     ):
         if name is None and path not in concrete:
             raise ValueError(
@@ -109,7 +109,7 @@ def _plan_leaves(
             )
         if name is not None:
             check_transpose_rank(path, name, leaf.shape[1:] if name.stacked else leaf.shape)
-        leaves.append(Leaf(path, target, name, concrete.get(path), leaf_sharding))
+        leaves.append(Leaf(path, struct, name, concrete.get(path), leaf_sharding))
         if path in quantized:
             check_quantized_leaf(leaves[-1], quantized[path])
     return layout, leaves, num_layers
@@ -176,7 +176,7 @@ def _load_into(
         assert leaf.name is not None
         first = leaf.name.at((selected or (None,))[0] if leaf.name.stacked else None)
         stored = checkpoint.tensors[first].dtype
-        plans.append(BufferPlan(leaf.target, leaf.sharding, leaf.name.stacked, stored))
+        plans.append(BufferPlan(leaf.struct, leaf.sharding, leaf.name.stacked, stored))
     groups = plan_chunks(plans, _CHUNK_BYTES)
     compiled = compile_chunk_writes(groups)  # before allocating: see its docstring
     buffers = _allocate(plans)

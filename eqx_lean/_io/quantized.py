@@ -69,9 +69,9 @@ def check_quantized_leaf(leaf: Leaf, module: str) -> None:
             f"{leaf.name.transpose}: a weight is quantised row by row as stored, so it must be "
             "stored as [out, in]. Leave it out of `quantize.target_modules`."
         )
-    if len(leaf.target.shape) != 2 + leaf.name.stacked:
+    if len(leaf.struct.shape) != 2 + leaf.name.stacked:
         raise ValueError(
-            f"{where}, whose weight has shape {leaf.target.shape}: it must be [out, in] (or "
+            f"{where}, whose weight has shape {leaf.struct.shape}: it must be [out, in] (or "
             "[layers, out, in] named with {i}) to be quantised."
         )
 
@@ -88,24 +88,24 @@ def load_quantized_leaf(
     assert leaf.name is not None
     stacked = leaf.name.stacked
     layers: Sequence[int | None] = (selected or ()) if stacked else [None]
-    shape = leaf.target.shape[1:] if stacked else leaf.target.shape
+    shape = leaf.struct.shape[1:] if stacked else leaf.struct.shape
     blocksize = config.blocksize if config.scheme == "nf4" else 0
     name = f"{module}.weight"
     shardings = quantized_shardings(
-        leaf.sharding, leaf.target.shape, int(stacked), config.scheme, blocksize, name
+        leaf.sharding, leaf.struct.shape, int(stacked), config.scheme, blocksize, name
     )
     if stacked:
         return load_quantized_stack(
             checkpoint,
             [leaf.name.at(layer) for layer in layers],
             shape,
-            leaf.target.dtype,
+            leaf.struct.dtype,
             config,
             name,
             shardings,
         )
     one = load_quantized_stack(
-        checkpoint, [leaf.name.at(None)], shape, leaf.target.dtype, config, name
+        checkpoint, [leaf.name.at(None)], shape, leaf.struct.dtype, config, name
     )
     placed = jax.tree.map(lambda x: x[0], one)
     codes = jax.device_put(placed.codes, shardings.codes)

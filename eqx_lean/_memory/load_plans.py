@@ -204,7 +204,7 @@ def plan_load(
             first = leaf.name.at((selected or (None,))[0] if leaf.name.stacked else None)
             stored = checkpoint.tensors[first].dtype
             placed = _on_target(leaf.sharding, where, jax.tree_util.keystr(leaf.path))
-            plans.append(BufferPlan(leaf.target, placed, leaf.name.stacked, stored))
+            plans.append(BufferPlan(leaf.struct, placed, leaf.name.stacked, stored))
     return _plan(where, plans)
 
 
