@@ -16,7 +16,7 @@ from .. import _platform
 from .backward import differentiated_by_index
 from .checks import check_xs, checked_stack
 from .fallback import nested_scan, scan_layers
-from .gather import Gather, gather_targets, gathered_step, tie_gradient_shardings
+from .gather import Gather, gather_shardings, gathered_step, tie_gradient_shardings
 from .linear_call import has_custom_transpose
 from .remat import SAVE_ALL, Remat, check_remat, checkpointed, resolve_remat
 
@@ -186,11 +186,11 @@ def _scan(
     check_remat(remat)
     dynamic, static, num_layers = checked_stack(stacked, num_layers)
     check_xs(xs, num_layers)
-    targets = gather_targets(dynamic, gather)
-    step = gathered_step(_layer_step(static, call, carry_name), targets)
+    shardings = gather_shardings(dynamic, gather)
+    step = gathered_step(_layer_step(static, call, carry_name), shardings)
     if num_layers == 0:
         return _empty_scan(step, dynamic, carry, xs)
-    dynamic = tie_gradient_shardings(dynamic, targets)
+    dynamic = tie_gradient_shardings(dynamic, shardings)
     step_with, consts = _hoist_closure(step, dynamic, carry, xs)
     policy, group_size = resolve_remat(remat, num_layers)
 

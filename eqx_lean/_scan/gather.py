@@ -27,7 +27,7 @@ from .remat import checkpointed
 
 Gather: TypeAlias = bool | ShardingPolicy
 _Step: TypeAlias = Callable[[Any, Any, Any], tuple[Any, Any]]
-_Targets: TypeAlias = tuple[NamedSharding | None, ...]
+_GatherShardings: TypeAlias = tuple[NamedSharding | None, ...]
 
 _GATHER_FORMS = (
     "`gather` must be True (gather each layer's parameters, replicated over their mesh), False "
@@ -53,7 +53,7 @@ def _check_gather(gather: Any) -> None:
 
 def _resolve_policy(
     gather: ShardingPolicy, paths: Sequence[Any], leaves: Sequence[Any], treedef: Any
-) -> _Targets:
+) -> _GatherShardings:
     meshes = [aval_mesh(leaf) for leaf in leaves]
     on_mesh = [(path, m) for path, m in zip(paths, meshes, strict=True) if m is not None]
     if not on_mesh:
@@ -75,13 +75,13 @@ def _resolve_policy(
     resolved = resolve_shardings(
         gather, _concrete_mesh(leaves) or mesh, paths, structs, treedef, argument="gather"
     )
-    targets = []
+    shardings = []
     for path, leaf_mesh, chosen in zip(paths, meshes, resolved, strict=True):
-        targets.append(_target(path, leaf_mesh, chosen))
-    return tuple(targets)
+        shardings.append(_gather_sharding(path, leaf_mesh, chosen))
+    return tuple(shardings)
 
 
-def _target(path: Any, leaf_mesh: Any, chosen: Sharding | None) -> NamedSharding | None:
+def _gather_sharding(path: Any, leaf_mesh: Any, chosen: Sharding | None) -> NamedSharding | None:
     """The sharding one layer's leaf is gathered to, on the mesh the stack's leaf lies on."""
     if chosen is None:
         return None
@@ -102,7 +102,7 @@ def _target(path: Any, leaf_mesh: Any, chosen: Sharding | None) -> NamedSharding
     return NamedSharding(leaf_mesh, chosen.spec)
 
 
-def gather_targets(dynamic: Any, gather: Gather) -> _Targets:
+def gather_shardings(dynamic: Any, gather: Gather) -> _GatherShardings:
     """Each stacked leaf's per-layer sharding inside the loop; `None` leaves it as it is.
 
     **Arguments:**
@@ -127,13 +127,13 @@ def gather_targets(dynamic: Any, gather: Gather) -> _Targets:
     return _resolve_policy(gather, paths, leaves, treedef)
 
 
-def gathered_step(step: _Step, targets: _Targets) -> _Step:
-    """Wraps the per-layer step: the sliced layer's leaves are constrained to `targets` first.
+def gathered_step(step: _Step, shardings: _GatherShardings) -> _Step:
+    """Wraps the per-layer step: the sliced layer's leaves are constrained to `shardings` first.
 
     The gathered parameters are never saved for the backward pass, whatever the `remat` policy:
     like ZeRO-3, the backward pass gathers each layer again from its shard.
     """
-    if all(t is None for t in targets):
+    if all(s is None for s in shardings):
         return step
 
     def gather_leaves(leaves: list[Any]) -> list[Any]:
@@ -143,7 +143,7 @@ def gathered_step(step: _Step, targets: _Targets) -> _Step:
         # `benchmarks/sharded_forward.py`). After the barrier the slice is a layer of its own.
         # Measured on XLA:CPU only, so only programs lowered for CPU get it.
         leaves = _platform.barrier_on_cpu(leaves)
-        return [x if t is None else constrain(x, t) for x, t in zip(leaves, targets, strict=True)]
+        return [x if s is None else constrain(x, s) for x, s in zip(leaves, shardings, strict=True)]
 
     # Saved as residuals, the gathered layers of a whole stack would be held at once.
     gather_leaves = checkpointed(gather_leaves, jax.checkpoint_policies.nothing_saveable)
@@ -155,10 +155,10 @@ def gathered_step(step: _Step, targets: _Targets) -> _Step:
     return step_on_gathered
 
 
-def _auto_mesh_leaves(leaves: Sequence[Any], targets: _Targets) -> list[bool]:
+def _auto_mesh_leaves(leaves: Sequence[Any], shardings: _GatherShardings) -> list[bool]:
     return [
-        t is not None and t.mesh.size > 1 and not has_explicit_axes(t)
-        for leaf, t in zip(leaves, targets, strict=True)
+        s is not None and s.mesh.size > 1 and not has_explicit_axes(s)
+        for leaf, s in zip(leaves, shardings, strict=True)
     ]
 
 
@@ -168,7 +168,7 @@ def _tie_to(cotangent: Any, primal: Any) -> Any:
     return shard_alike(cotangent, primal)[0]
 
 
-def tie_gradient_shardings(dynamic: Any, targets: _Targets) -> Any:
+def tie_gradient_shardings(dynamic: Any, shardings: _GatherShardings) -> Any:
     """The stack unchanged; its gradient placed as the stack is, on Auto meshes.
 
     With Explicit axes, `reshard`'s transpose already returns each layer's gradient to the
@@ -177,7 +177,7 @@ def tie_gradient_shardings(dynamic: Any, targets: _Targets) -> Any:
     replicated: `shard_alike` makes the partitioner give it the stack's own sharding instead.
     """
     leaves, treedef = jax.tree.flatten(dynamic)
-    tied = _auto_mesh_leaves(leaves, targets)
+    tied = _auto_mesh_leaves(leaves, shardings)
     if not any(tied):
         return dynamic
 
