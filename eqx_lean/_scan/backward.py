@@ -57,7 +57,7 @@ def _forward_saving(
     axis of `length`) and the layers' linearisation `lin`.
     """
     lin = Linearization()
-    activations = [j >= loops.layout.num_fixed for j in range(len(loops.layout.diff))]
+    activations = [j >= loops.step_inputs.num_fixed for j in range(len(loops.step_inputs.diff))]
 
     def body(state: tuple[Any, Any, list[Array]], _: None) -> tuple[Any, Any]:
         # The constants travel in the loop state, so that the VJP's residuals can be matched
@@ -85,7 +85,9 @@ def _forward_saving(
             else:
                 sources.append(("recompute", 0))
         lin.sources = tuple(sources)
-        carry_inputs = range(loops.layout.num_fixed, loops.layout.num_fixed + len(carry_leaves))
+        carry_inputs = range(
+            loops.step_inputs.num_fixed, loops.step_inputs.num_fixed + len(carry_leaves)
+        )
         lin.carry_like = tuple(jax.ShapeDtypeStruct(jnp.shape(c), c.dtype) for c in carry_leaves)
         lin.carry_saved = any(kind == "input" and j in carry_inputs for kind, j in sources) or any(
             jnp.issubdtype(c.dtype, jax.dtypes.extended) for c in carry_leaves
@@ -144,7 +146,7 @@ def _backward_segment(
         ]
         vjp_fn = jax.tree.unflatten(lin.vjp_tree, vjp_leaves)
         ct_inputs = vjp_fn([*cts.carry, *rows_at(ct_ys_now, i)])
-        ct_consts, ct_layer, ct_carry, ct_x = loops.layout.split_cotangents(ct_inputs)
+        ct_consts, ct_layer, ct_carry, ct_x = loops.step_inputs.split_cotangents(ct_inputs)
         cts = _Cotangents(
             carry=ct_carry,
             consts=[a + b.astype(a.dtype) for a, b in zip(cts.consts, ct_consts, strict=True)],
@@ -171,7 +173,7 @@ def _forward_group_carries(
         # The carry entering a group goes to its row, any other to the spare last row.
         row = jnp.where(i % group_size == 0, i // group_size, num_groups)
         group_carries = write_rows(group_carries, carry_leaves, row)
-        new_carry, y = loops.step(*loops.layout.unflatten(loops.layer_inputs(i, carry_leaves)))
+        new_carry, y = loops.step(*loops.step_inputs.unflatten(loops.layer_inputs(i, carry_leaves)))
         y_tree[:] = [jax.tree.structure(y)]
         return (i + 1, new_carry, group_carries), jax.tree.leaves(y)
 
@@ -199,7 +201,7 @@ def _nested_backward(
     num_full, rest = divmod(num_layers, group_size)
 
     def group(cts: _Cotangents, start: Any, length: int, carry_in: list[Array]) -> _Cotangents:
-        carry = loops.layout.treedefs[2].unflatten(carry_in)
+        carry = loops.step_inputs.treedefs[2].unflatten(carry_in)
         _, _, carries, saved, lin = _forward_saving(loops, carry, start, length)
         return _backward_segment(loops, lin, carries, saved, ct_ys, cts, start, length)
 
@@ -268,7 +270,7 @@ def differentiated_by_index(
         ]
         consts, stack, carry_leaves, xs = split_parts(leaves, [t.num_leaves for t in treedefs[:3]])
         live_parts = split_parts(live, [t.num_leaves for t in treedefs[:3]])
-        layout = StepInputs(
+        step_inputs = StepInputs(
             treedefs,
             live_consts=tuple(live_parts[0]),
             live_stack=tuple(live_parts[1]),
@@ -276,7 +278,7 @@ def differentiated_by_index(
             live_carry=tuple(live_parts[2]),
             live_xs=tuple(live_parts[3]),
         )
-        loops = LayerLoops(step, layout, policy, consts, stack, xs, unroll)
+        loops = LayerLoops(step, step_inputs, policy, consts, stack, xs, unroll)
         carry = treedefs[2].unflatten(carry_leaves)
         if group_size is None:
             carry_out, ys, carries, saved, lin = _forward_saving(
@@ -290,7 +292,7 @@ def differentiated_by_index(
             lin = Linearization()  # found per group, in the backward pass
         out_leaves, out_tree = jax.tree.flatten((carry_out, ys))
         out_inexact = [is_inexact(o) for o in out_leaves]
-        num_ct_carry, num_primals = sum(layout.inexact_carry), len(leaves)
+        num_ct_carry, num_primals = sum(step_inputs.inexact_carry), len(leaves)
 
         def tangent_of(forward: Callable[..., tuple[Any, Any]]) -> Callable[..., list[Array]]:
             """Forward mode: `(primals, residuals, tangents) -> output tangents` of `forward`."""
@@ -314,21 +316,21 @@ def differentiated_by_index(
         def transpose(*flat: Array) -> list[Array]:
             """Reverse mode: the backward loop, from the cotangents of the inexact outputs."""
             primals, res, cts_out = split_parts(flat, [num_primals, len(residuals)])
-            consts, stack, _, xs = layout.split(primals)
+            consts, stack, _, xs = step_inputs.split(primals)
             cts = _Cotangents(
                 carry=cts_out[:num_ct_carry],
-                consts=[jnp.zeros_like(c) for c in select(consts, layout.live_consts)],
-                stack=[zeros_alike(s) for s in select(stack, layout.live_stack)],
-                xs=[zeros_alike(x) for x in select(xs, layout.live_xs)],
+                consts=[jnp.zeros_like(c) for c in select(consts, step_inputs.live_consts)],
+                stack=[zeros_alike(s) for s in select(stack, step_inputs.live_stack)],
+                xs=[zeros_alike(x) for x in select(xs, step_inputs.live_xs)],
             )
-            loops_now = LayerLoops(step, layout, policy, consts, stack, xs, unroll)
+            loops_now = LayerLoops(step, step_inputs, policy, consts, stack, xs, unroll)
             ct_ys = cts_out[num_ct_carry:]
             if group_size is None:
                 carries, saved = split_parts(res, [len(carries_kept)])
                 cts = _backward_segment(loops_now, lin, carries, saved, ct_ys, cts, 0, num_layers)
             else:
                 cts = _nested_backward(loops_now, res, ct_ys, cts, num_layers, group_size)
-            live_carry = select(layout.live_carry, layout.inexact_carry)
+            live_carry = select(step_inputs.live_carry, step_inputs.inexact_carry)
             return [*cts.consts, *cts.stack, *select(cts.carry, live_carry), *cts.xs]
 
         lin_tangents = select(tangent_leaves, live)

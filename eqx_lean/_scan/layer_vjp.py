@@ -130,11 +130,11 @@ class Linearization:
 
 @dataclasses.dataclass(frozen=True)
 class LayerLoops:
-    """What every loop over layers reads: the per-layer step and the layout of its inputs, the
+    """What every loop over layers reads: the per-layer step and how its inputs split, the
     policy, the constants, the stack's and `xs`'s leaves, and `jax.lax.scan`'s `unroll`."""
 
     step: Step
-    layout: StepInputs
+    step_inputs: StepInputs
     policy: LayerPolicy
     consts: list[Array]
     stack: list[Array]
@@ -147,11 +147,11 @@ class LayerLoops:
         """`jax.vjp` of one layer with respect to its differentiated inputs: returns the
         inexact outputs, the VJP function, and the other outputs (integers, keys)."""
         lin = Linearization() if lin is None else lin
-        diff = self.layout.diff
+        diff = self.step_inputs.diff
 
         def layer(*diff_values: Array) -> tuple[list[Array], list[Array]]:
             values = merge(diff, diff_values, select(inputs, diff, keep=False))
-            leaves, lin.out_tree = jax.tree.flatten(self.step(*self.layout.unflatten(values)))
+            leaves, lin.out_tree = jax.tree.flatten(self.step(*self.step_inputs.unflatten(values)))
             lin.out_inexact = tuple(is_inexact(o) for o in leaves)
             return select(leaves, lin.out_inexact), select(leaves, lin.out_inexact, False)
 
