@@ -37,8 +37,8 @@ Usage (the page cache is warmed before the first method, for every method alike)
 (`eqx_lean._core.chunks.HOST_WRITES = False`); the default is CPU's host writes. `--code DIR`
 loads with the `eqx_lean` and example of another checkout (for before/after figures).
 
-`--layout hf` (default) writes tensors at offsets that are not 64-byte aligned, as most
-checkpoints written by the `safetensors` library are; `--layout aligned` pads the header so
+`--offsets hf` (default) writes tensors at offsets that are not 64-byte aligned, as most
+checkpoints written by the `safetensors` library are; `--offsets aligned` pads the header so
 every tensor starts 64-byte aligned, as `eqx_lean.save_tensors` and the example's `save_hf`
 write them. `--dir DIR --keep` keeps the checkpoint for later runs (`--reuse`).
 """
@@ -161,7 +161,7 @@ def write_checkpoint(directory: Path, config, aligned: bool, seed: int = 0) -> i
             weight_map[name] = file
         raw = json.dumps(header, separators=(",", ":")).encode()
         # Padded with spaces as the safetensors library pads (to 8 bytes); `aligned` pads the
-        # data start to 64 bytes, the `hf` layout makes sure it is not 64-byte aligned.
+        # data start to 64 bytes, `hf` offsets make sure it is not 64-byte aligned.
         raw += b" " * (-(8 + len(raw)) % 8)
         if aligned:
             raw += b" " * (-(8 + len(raw)) % 64)
@@ -429,7 +429,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--size", choices=list(SIZES), default="small")
     parser.add_argument("--devices", type=int, default=1, help="forced CPU devices (eqx_lean)")
-    parser.add_argument("--layout", choices=("hf", "aligned"), default="hf")
+    parser.add_argument("--offsets", choices=("hf", "aligned"), default="hf")
     parser.add_argument("--writes", choices=("host", "compiled"), default="host")
     parser.add_argument("--code", type=Path, default=REPO, help="checkout whose eqx_lean loads")
     parser.add_argument("--methods", nargs="+", default=["eqx_lean", "safetensors_flax"])
@@ -448,15 +448,15 @@ def main() -> None:
         parser.error(f"unknown methods {sorted(unknown)}; choose from {METHODS}")
 
     base = args.dir or Path(tempfile.mkdtemp(prefix="eqx_lean_io_"))
-    directory = base / f"mistral-{args.size}-{args.layout}"
+    directory = base / f"mistral-{args.size}-{args.offsets}"
     config = mistral_config(args.size)
     try:
         if not args.reuse:
             shutil.rmtree(directory, ignore_errors=True)
             start = time.perf_counter()
-            total = write_checkpoint(directory, config, aligned=args.layout == "aligned")
+            total = write_checkpoint(directory, config, aligned=args.offsets == "aligned")
             print(
-                f"wrote {total / GIB:.2f} GiB ({args.size}, {args.layout} layout) in "
+                f"wrote {total / GIB:.2f} GiB ({args.size}, {args.offsets} offsets) in "
                 f"{time.perf_counter() - start:.1f} s to {directory}",
                 flush=True,
             )
@@ -470,7 +470,7 @@ def main() -> None:
                 )
                 print(json.dumps(rows[-1]), flush=True)
         print(
-            f"\nsize {args.size}, layout {args.layout}, eqx_lean on {args.devices} device(s), "
+            f"\nsize {args.size}, offsets {args.offsets}, eqx_lean on {args.devices} device(s), "
             f"{args.writes} writes, code {args.code}"
         )
         print(table(rows))

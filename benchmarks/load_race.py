@@ -1,7 +1,7 @@
 """Loads racing saves: how many loads return one whole checkpoint, a mix of two, or an error.
 
 One process saves a small checkpoint in a loop (`eqx_lean.save_tensors`; the order of the
-tensors in the files and, for the sharded layout, the shard boundaries change at every save),
+tensors in the files and, with sharded files, the shard boundaries change at every save),
 while another loads it in a loop (`eqx_lean.load_tensors`) and checks each load: every tensor
 holds a value that names the save it came from and the tensor itself, so a load is `whole`
 (one save), `mixed` (tensors of two saves, or a tensor read at another's offset), `replaced`
@@ -10,7 +10,7 @@ or `other` (any other error). The worker is `tests/io_race.py`, as in `tests/tes
 
 Usage:
 
-    python benchmarks/load_race.py                      # 20 s per layout, this checkout
+    python benchmarks/load_race.py                      # 20 s each, single and sharded files
     python benchmarks/load_race.py --code ../old --seconds 10   # another checkout's eqx_lean
 
 The counts depend on the machine's speed and load; `mixed` must be 0.
@@ -29,13 +29,13 @@ REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "io_race.py"
 
 
-def race(code: Path, layout: str, seconds: float) -> dict:
+def race(code: Path, files: str, seconds: float) -> dict:
     """Runs a saver and a loader for `seconds`; returns the loader's counts and the saves."""
     env = dict(os.environ, PYTHONPATH=str(code), JAX_PLATFORMS="cpu")
     with tempfile.TemporaryDirectory() as directory:
         path = str(Path(directory) / "checkpoint")
         saver = subprocess.Popen(
-            [sys.executable, str(WORKER), "save", path, layout, str(seconds)],
+            [sys.executable, str(WORKER), "save", path, files, str(seconds)],
             stdout=subprocess.PIPE,
             text=True,
             env=env,
@@ -56,17 +56,17 @@ def race(code: Path, layout: str, seconds: float) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="Loads racing saves in another process.")
-    parser.add_argument("--seconds", type=float, default=20.0, help="per layout")
+    parser.add_argument("--seconds", type=float, default=20.0, help="per kind of files")
     parser.add_argument("--code", type=Path, default=REPO, help="checkout whose eqx_lean runs")
     args = parser.parse_args()
-    print(f"code {args.code.resolve()}, {args.seconds:g} s per layout")
-    print("| layout | saves | loads | whole | mixed | replaced | other errors |")
+    print(f"code {args.code.resolve()}, {args.seconds:g} s per kind of files")
+    print("| files | saves | loads | whole | mixed | replaced | other errors |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
-    for layout in ("single", "sharded"):
-        r = race(args.code, layout, args.seconds)
+    for files in ("single", "sharded"):
+        r = race(args.code, files, args.seconds)
         loads = r["whole"] + r["mixed"] + r["replaced"] + r["other"]
         print(
-            f"| {layout} | {r['saves']} | {loads} | {r['whole']} | {r['mixed']} | "
+            f"| {files} | {r['saves']} | {loads} | {r['whole']} | {r['mixed']} | "
             f"{r['replaced']} | {r['other']} |",
             flush=True,
         )

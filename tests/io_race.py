@@ -1,6 +1,7 @@
 """A saver and a loader racing on one checkpoint, each in its own process (`test_io_race.py`).
 
-    python tests/io_race.py save PATH LAYOUT SECONDS   # prints {"saves": n} at the end
+    python tests/io_race.py save PATH FILES SECONDS   # FILES: single or sharded; prints
+                                                      # {"saves": n} at the end
     python tests/io_race.py load PATH SECONDS   # prints a JSON summary on its last line
 
 `tests/test_io_race.py` and `benchmarks/load_race.py` run it.
@@ -8,7 +9,7 @@
 Every tensor of save number `s` holds the value `1000 * s + t` everywhere, `t` the tensor's
 own number, so a load tells exactly which save each tensor came from: a whole checkpoint has
 one `s` in every tensor and each tensor's own `t`. Between saves the saver changes the order
-of the tensors in the files (so a name's offset changes) and, for the sharded layout, which
+of the tensors in the files (so a name's offset changes) and, with `sharded` files, which
 shard holds which tensor (so a shard's content changes, not its name): reading a header of one
 save with the data of the next, or a shard of each, is seen.
 """
@@ -79,14 +80,14 @@ def model_of_save(s: int, order: list[str]) -> dict[str, jax.Array]:
     return model
 
 
-def save_loop(path: str, layout: str, seconds: float) -> None:
+def save_loop(path: str, files: str, seconds: float) -> None:
     rng = np.random.default_rng(0)
     deadline = time.monotonic() + seconds
     s = 0
     while s == 0 or time.monotonic() < deadline:
         order = list(rng.permutation(list(LEAVES)))
         # 1 file; or 2, 3 or 5 shards, their boundaries moving with the order
-        shard_bytes = 2**30 if layout == "single" else int(rng.choice([4096, 8192, 20000]))
+        shard_bytes = 2**30 if files == "single" else int(rng.choice([4096, 8192, 20000]))
         eqx_lean.save_tensors(path, model_of_save(s, order), names, max_shard_bytes=shard_bytes)
         s += 1
         if s == 1:

@@ -13,11 +13,11 @@ REPO = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("io_race.py")
 
 
-def _race(tmp_path: Path, layout: str, seconds: float) -> dict:
+def _race(tmp_path: Path, files: str, seconds: float) -> dict:
     path = str(tmp_path / "checkpoint")
     env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
     saver = subprocess.Popen(
-        [sys.executable, str(WORKER), "save", path, layout, str(seconds + 30)],
+        [sys.executable, str(WORKER), "save", path, files, str(seconds + 30)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -48,12 +48,12 @@ def _check(counts: dict) -> None:
     assert counts["whole"] >= counts["replaced"], counts
 
 
-@pytest.mark.parametrize("layout", ["single", "sharded"])
-def test_loads_racing_saves_are_whole(tmp_path, layout):
-    _check(_race(tmp_path, layout, seconds=5))
+@pytest.mark.parametrize("files", ["single", "sharded"])
+def test_loads_racing_saves_are_whole(tmp_path, files):
+    _check(_race(tmp_path, files, seconds=5))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["single", "sharded"])
-def test_loads_racing_saves_are_whole_for_a_minute(tmp_path, layout):
-    _check(_race(tmp_path, layout, seconds=60))
+@pytest.mark.parametrize("files", ["single", "sharded"])
+def test_loads_racing_saves_are_whole_for_a_minute(tmp_path, files):
+    _check(_race(tmp_path, files, seconds=60))
