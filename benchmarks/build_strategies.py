@@ -55,7 +55,9 @@ def main() -> None:
 
     plan = _core.plan_build(make, keys, jnp.bfloat16)
     structs = plan.structs
-    every_leaf = plan._replace(groups=(_core.Group(tuple(range(len(structs))), plan.shardings),))
+    every_leaf = plan._replace(
+        groups=(_core.WriteGroup(tuple(range(len(structs))), plan.shardings),)
+    )
     final = _core.tree_bytes(structs)
     print(f"{config}: final {final / MiB:.0f} MiB in bfloat16\n")
     print(

@@ -95,7 +95,7 @@ from .sharding import (
 from .writes import (
     WRITES as WRITES,
     BuildPlan as BuildPlan,
-    Group as Group,
+    WriteGroup as WriteGroup,
     allocate as allocate,
     as_bits as as_bits,
     compile_writes as compile_writes,

@@ -139,7 +139,7 @@ def _in_threads(fn: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
 # --- building: the plan -----------------------------------------------------------------------
 
 
-class Group(NamedTuple):
+class WriteGroup(NamedTuple):
     """Which leaves one compiled write builds, and their per-layer shardings."""
 
     leaves: tuple[int, ...]
@@ -154,7 +154,7 @@ class BuildPlan(NamedTuple):
     keys: jax.ShapeDtypeStruct
     structs: Structs  # the stacked leaves, in their target dtypes
     shardings: Shardings  # per layer (the layer axis is replicated)
-    groups: tuple[Group, ...]
+    groups: tuple[WriteGroup, ...]
 
     @property
     def layout(self) -> Layout:
@@ -167,7 +167,7 @@ class BuildPlan(NamedTuple):
     def stacked_shardings(self) -> Shardings:
         return tuple(stacked_sharding(s) for s in self.shardings)
 
-    def buffer_structs(self, group: Group) -> Structs:
+    def buffer_structs(self, group: WriteGroup) -> Structs:
         return tuple(
             jax.ShapeDtypeStruct(
                 self.structs[j].shape,
@@ -207,7 +207,8 @@ def plan_build(
         with jax.sharding.use_abstract_mesh(auto):
             program = trace_layer(make_layer, key)
     groups = tuple(
-        Group(leaves, tuple(shardings[j] for j in leaves)) for leaves in leaf_groups(layout.structs)
+        WriteGroup(leaves, tuple(shardings[j] for j in leaves))
+        for leaves in leaf_groups(layout.structs)
     )
     structs = target_structs(layout, num_layers, dtype)
     return BuildPlan(program, num_layers, _keys_struct(keys), structs, shardings, groups)
@@ -222,7 +223,7 @@ def is_traced(plan: BuildPlan, keys: Any) -> bool:
 
 
 def _write_run(
-    jaxpr: Any, embedded: tuple[Any, ...], group: Group, bit_writes: bool, loop: bool = True
+    jaxpr: Any, embedded: tuple[Any, ...], group: WriteGroup, bit_writes: bool, loop: bool = True
 ) -> Callable[..., Leaves]:
     """`run(buffers, keys, consts, start, stop)`: writes layers `start..stop-1` of one group.
 
@@ -326,7 +327,7 @@ def lower_writes(
     return [_platform.lower(t, tricks, lowering_platforms) for t in trace_writes(plan, tricks)]
 
 
-def _write_key(plan: BuildPlan, group: Group, tricks: _platform.Tricks) -> Hashable:
+def _write_key(plan: BuildPlan, group: WriteGroup, tricks: _platform.Tricks) -> Hashable:
     keys = (plan.keys.shape, str(plan.keys.dtype))
     buffers = tuple(
         (s.shape, str(s.dtype), s.weak_type, s.sharding) for s in plan.buffer_structs(group)
