@@ -72,11 +72,11 @@ def main() -> None:
     _report("whole-layer write, called per layer", traced)
     _report(
         "one program: a fori_loop per group",
-        jax.jit(lambda keys: tuple(_core.fill_traced(plan, keys))).trace(keys),
+        jax.jit(lambda keys: tuple(_core.build_in_trace(plan, keys))).trace(keys),
     )
     _report(
         "one program: a fori_loop over whole layers",
-        jax.jit(lambda keys: tuple(_core.fill_traced(every_leaf, keys))).trace(keys),
+        jax.jit(lambda keys: tuple(_core.build_in_trace(every_leaf, keys))).trace(keys),
     )
 
 

@@ -176,7 +176,7 @@ def build_stacked(
             layout.combine(layout.structs), dict(zip(layout.paths, plan.shardings, strict=True))
         )
     if _core.is_traced(plan, keys):
-        return plan.layout.combine(_core.fill_traced(plan, keys))
+        return plan.layout.combine(_core.build_in_trace(plan, keys))
 
     # Compiling before the buffers exist keeps the compiler's own transient memory from
     # stacking on top of the final model in the peak.
@@ -185,7 +185,7 @@ def build_stacked(
     buffers = list(_core.allocate(plan.structs, plan.stacked_shardings()))
     try:
         runs = _runs(plan.num_layers, _core.layers_per_call(plan), progress)
-        _core.fill(plan, buffers, keys, writes, runs)
+        _core.run_writes(plan, buffers, keys, writes, runs)
     except BaseException:
         _core.delete_arrays(buffers)
         raise

@@ -18,7 +18,9 @@ scripts in `benchmarks/` may use it. It is not public API and may change between
   the one way to constrain a traced array to a sharding.
 - `program`: `make_layer` traced once (`trace_layer`), with a key by content.
 - `writes`: allocation, donated row writes, the build plan (`plan_build`), its compiled writes
-  (`compile_writes`, cached by content in `WRITES`; `lower_writes` for inspection) and `fill`.
+  (`compile_writes`, cached by content in `WRITES`; `lower_writes` for inspection), run on
+  preallocated buffers by `run_writes` (`build_in_trace`: the same writes, traced into an
+  outer program).
 - `compiled_cache`: compiled programs kept by content (`CompiledCache`, one type for the
   builds' writes, the chunk writes and `init.chunked`'s fills, each with its own key recipe;
   `settings_key`, `clear_caches`).
@@ -98,15 +100,15 @@ from .writes import (
     WriteGroup as WriteGroup,
     allocate as allocate,
     as_bits as as_bits,
+    build_in_trace as build_in_trace,
     compile_writes as compile_writes,
     delete_arrays as delete_arrays,
-    fill as fill,
-    fill_traced as fill_traced,
     is_traced as is_traced,
     layers_per_call as layers_per_call,
     lower_writes as lower_writes,
     memory_analysis as memory_analysis,
     plan_build as plan_build,
+    run_writes as run_writes,
     trace_writes as trace_writes,
     update_rows as update_rows,
     write_layer as write_layer,

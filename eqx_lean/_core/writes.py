@@ -2,7 +2,8 @@
 
 A build is planned (`plan_build`: the traced program, the target dtypes and shardings, the
 groups of leaves each compiled write returns), compiled (`compile_writes`, reused by content
-through `compiled_cache.CompiledCache`), then run on preallocated buffers (`fill`).
+through `compiled_cache.CompiledCache`), then run on preallocated buffers (`run_writes`; inside
+an outer trace, `build_in_trace`).
 """
 
 import concurrent.futures
@@ -393,14 +394,14 @@ def layers_per_call(plan: BuildPlan) -> int:
     return max(1, min(plan.num_layers, per_call))
 
 
-def fill(
+def run_writes(
     plan: BuildPlan,
     buffers: list[Array],
     keys: Any,
     writes: Sequence[jax.stages.Compiled],
     runs: Iterator[tuple[int, int]],
 ) -> None:
-    """Fills `buffers` by calling each group's compiled, donating write on runs of layers."""
+    """Runs each group's compiled, donating write on runs of layers, filling `buffers`."""
     tricks = _platform.Tricks.for_platform(plan.platform)
     consts = placed_consts(plan)
     for start, stop in runs:
@@ -414,7 +415,7 @@ def fill(
             _platform.release_freed_host_memory(tricks)
 
 
-def fill_traced(plan: BuildPlan, keys: Any) -> list[Array]:
+def build_in_trace(plan: BuildPlan, keys: Any) -> list[Array]:
     """The stacked leaves, written by one `fori_loop` per group, inside an outer trace."""
     buffers = [
         constrain(zeros_like_struct(struct), stacked_sharding(s))
