@@ -205,14 +205,14 @@ def _values(
     return tuple(values), layers
 
 
-def fill_compiled(
+def run_chunk_writes(
     group: ChunkGroup,
     write: jax.stages.Compiled,
     buffers: list[Array],
     read: Reader,
     release: Releaser,
 ) -> None:
-    """Fills one group by calls of its compiled write, each a few rows of every buffer."""
+    """Runs one group's compiled write, call by call, each call a few rows of every buffer."""
     members = [p.buffer for p in group.parts]
     tricks = _tricks(group)
     staging = _Staging()

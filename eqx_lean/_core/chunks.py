@@ -39,8 +39,8 @@ from .chunk_plan import (
 from .chunk_writes import (
     compile_chunk_writes as compile_chunk_writes,
     compile_group,
-    fill_compiled,
     lower_chunk_write as lower_chunk_write,
+    run_chunk_writes,
 )
 from .writes import allocate, delete_arrays
 
@@ -270,7 +270,7 @@ def _row_pieces(
     ]
 
 
-def _fill_host(
+def _copy_on_host(
     group: ChunkGroup,
     views: Sequence[list[tuple[np.ndarray, tuple[slice, ...]]]],
     read: Reader,
@@ -307,7 +307,7 @@ def fill_chunks(
     """Fills `buffers` (indexed like `plan_chunks`' `plans`, freshly allocated and owned by
     the caller) from `read`, group by group, layer by layer. On failure the buffers are deleted.
 
-    Compiled writes (`chunk_writes.fill_compiled`) stage a call's values while the previous call
+    Compiled writes (`chunk_writes.run_chunk_writes`) stage a call's values while the previous call
     runs, so at most two calls' values are alive at once.
     """
     try:
@@ -318,10 +318,10 @@ def fill_chunks(
                     jax.block_until_ready([buffers[p.buffer] for p in group.parts])
                     views = [_host_views(buffers[p.buffer]) for p in group.parts]
                 if views is not None and all(v is not None for v in views):
-                    _fill_host(group, views, read, release, pool)  # pyright: ignore
+                    _copy_on_host(group, views, read, release, pool)  # pyright: ignore
                     continue
                 write = compile_group(group) if write is None else write
-                fill_compiled(group, write, buffers, read, release)
+                run_chunk_writes(group, write, buffers, read, release)
     except BaseException:
         delete_arrays(buffers)
         raise
