@@ -159,7 +159,7 @@ def _write_tile(out: Array, tile: Array, local_start: Sequence[Array]) -> Array:
     return lax.dynamic_update_slice(out, jnp.where(inside, shifted, current), window_start)
 
 
-def _fill_local(
+def _draw_shard(
     key: PRNGKeyArray,
     tiles: Any,
     plans: tuple[_AxisPlan, ...],
@@ -167,7 +167,7 @@ def _fill_local(
     out_dtype: Any,
     group: int,
 ) -> Array:
-    """Fills this device's shard: every tile overlapping it, `group` tiles per loop step."""
+    """Draws this device's shard: every tile overlapping it, `group` tiles per loop step."""
     shape = tuple(p.length for p in plans)
     tile_shape = tuple(p.tile for p in plans)
     grid = tuple(p.num_tiles for p in plans)
@@ -218,7 +218,7 @@ def _fill_local(
     return lax.fori_loop(0, -(-num_local // group), step, out)
 
 
-def _chunked_fill(
+def _draw_tensor(
     key: PRNGKeyArray,
     *,
     tiles: Any,
@@ -240,31 +240,31 @@ def _chunked_fill(
     tile_bytes = math.prod(tile_shape) * np.dtype(drawn.dtype).itemsize
     num_local = math.prod(p.tiles_per_shard for p in plans)
     group = int(min(num_local, max(1, max_chunk_bytes // tile_bytes)))
-    fill = functools.partial(
-        _fill_local, tiles=tiles, plans=plans, dtype=dtype, out_dtype=drawn.dtype, group=group
+    draw_shard = functools.partial(
+        _draw_shard, tiles=tiles, plans=plans, dtype=dtype, out_dtype=drawn.dtype, group=group
     )
     if sharding is None:
-        return fill(key)
+        return draw_shard(key)
     return jax.shard_map(
-        fill, mesh=sharding.mesh, in_specs=PartitionSpec(), out_specs=sharding.spec
+        draw_shard, mesh=sharding.mesh, in_specs=PartitionSpec(), out_specs=sharding.spec
     )(key)
 
 
-# Compiled fills by content, as build_stacked's writes (`eqx_lean.clear_caches` empties it).
-_FILLS = CompiledCache()
+# Compiled tile draws by content, as build_stacked's writes (`eqx_lean.clear_caches` empties it).
+_TILE_DRAWS = CompiledCache()
 
 
-def _fill(key: PRNGKeyArray, **static: Any) -> Array:
-    """`_chunked_fill`, traced afresh on every call; compiled programs are reused by content.
+def _draw_tiles(key: PRNGKeyArray, **static: Any) -> Array:
+    """`_draw_tensor`, traced afresh on every call; compiled programs are reused by content.
 
     The initializer may read Python state (a global, an array it closes over, updated in place):
     a trace cache keyed on the initializer object would return the values of its first call.
     So a new function is traced each time and its program, constants and settings are the key.
     """
-    fill = functools.partial(_chunked_fill, **static)
+    draw = functools.partial(_draw_tensor, **static)
     if has_tracers(key):  # inside a trace: traced into it, freshly
-        return fill(key)
-    traced = jax.jit(fill).trace(key)
+        return draw(key)
+    traced = jax.jit(draw).trace(key)
     content = (
         closed_jaxpr_key(traced.jaxpr),
         aval_key(jax.typeof(key)),
@@ -272,10 +272,10 @@ def _fill(key: PRNGKeyArray, **static: Any) -> Array:
         settings_key(),
         jax.default_backend(),
     )
-    compiled = _FILLS.get(content)
+    compiled = _TILE_DRAWS.get(content)
     if compiled is None:
         compiled = traced.lower().compile()
-        _FILLS.put(content, compiled)
+        _TILE_DRAWS.put(content, compiled)
     return compiled(key)
 
 
@@ -395,7 +395,7 @@ def chunked(
             ones = (1,) * len(dims)
             drawn = jax.eval_shape(lambda k: tiles.draw(k, ones, ones, dtype), key)
             return jnp.zeros(dims, drawn.dtype, out_sharding=sharding)
-        return _fill(
+        return _draw_tiles(
             key,
             tiles=tiles,
             shape=dims,

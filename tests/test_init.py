@@ -256,7 +256,7 @@ def test_temporaries_bounded_by_the_chunk(getkey):
 
 
 #
-# Compiled fills are reused by content, never by the initializer object
+# Compiled tile draws are reused by content, never by the initializer object
 #
 
 

@@ -22,7 +22,7 @@ scripts in `benchmarks/` may use it. It is not public API and may change between
   preallocated buffers by `run_writes` (`build_in_trace`: the same writes, traced into an
   outer program).
 - `compiled_cache`: compiled programs kept by content (`CompiledCache`, one type for the
-  builds' writes, the chunk writes and `init.chunked`'s fills, each with its own key recipe;
+  builds' writes, the chunk writes and `init.chunked`'s tile draws, each with its own key recipe;
   `settings_key`, `clear_caches`).
 - `chunks`: the loaders' engine: buffers filled from host data in bounded pieces
   (`plan_chunks`, `allocate_buffers`, `compile_chunk_writes`, `fill_chunks`; `lower_chunk_write`

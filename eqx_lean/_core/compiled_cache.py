@@ -1,7 +1,7 @@
 """Compiled programs kept by content: the one cache type of every compiled-write path.
 
 Three recipes compile code keyed by what determines it: a build's writes
-(`writes.compile_writes`), a load's chunk writes (`chunk_writes`) and `init.chunked`'s fills
+(`writes.compile_writes`), a load's chunk writes (`chunk_writes`) and `init.chunked`'s tile draws
 (`eqx_lean._init`). Each keeps its own key, on purpose: each leaves out what cannot change its
 program (a chunk write never depends on the random settings, say) and includes the settings
 that change values without changing a traced program (`settings_key`) where they matter. They
