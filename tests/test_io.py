@@ -81,7 +81,7 @@ def random_like(tree, dtype, seed):
     """Random arrays shaped like `tree`'s leaves, floating ones cast to `dtype` (or a rule)."""
     rng = np.random.default_rng(seed)
 
-    def fill(path, x):
+    def random_leaf(path, x):
         if not isinstance(x, jax.ShapeDtypeStruct):
             return x
         if not jnp.issubdtype(x.dtype, jnp.floating):
@@ -89,7 +89,7 @@ def random_like(tree, dtype, seed):
         target = dtype(path, x) if inspect.isfunction(dtype) else dtype
         return jnp.asarray(rng.standard_normal(x.shape, dtype=np.float32).astype(target))
 
-    return jax.tree_util.tree_map_with_path(fill, tree)
+    return jax.tree_util.tree_map_with_path(random_leaf, tree)
 
 
 def abstract(tree):
