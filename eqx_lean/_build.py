@@ -57,7 +57,7 @@ def allocate_stacked(
     if not isinstance(num_layers, int | np.integer) or num_layers < 1:
         raise ValueError(f"`num_layers` must be a positive integer; got {num_layers!r}.")
     layout = _core.Layout.of(abstract_layer)
-    structs = _core.target_structs(layout, int(num_layers), _core.check_dtype_policy(dtype))
+    structs = _core.stacked_structs(layout, int(num_layers), _core.check_dtype_policy(dtype))
     per_layer = tuple(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in layout.structs)
     shardings = _core.resolve_shardings(sharding, mesh, layout.paths, per_layer, layout.treedef)
     found = _core.mesh_of(mesh, shardings)
@@ -279,7 +279,7 @@ def stack(layers: Sequence[M], dtype: DtypePolicy = None, *, consume: bool = Fal
     layouts = [_core.Layout.of(layer) for layer in layers]
     _check_same_layout(layers, layouts)
     layout = layouts[0]
-    structs = _core.target_structs(layout, len(layers), dtype)
+    structs = _core.stacked_structs(layout, len(layers), dtype)
     sources = [jax.tree.leaves(eqx.filter(layer, eqx.is_array)) for layer in layers]
     last_use = {id(x): (i, j) for i, leaves in enumerate(sources) for j, x in enumerate(leaves)}
 

@@ -4,9 +4,9 @@ This is eqx_lean's documented internal API: the public functions are built from 
 scripts in `benchmarks/` may use it. It is not public API and may change between releases.
 
 - `layout`: how a layer splits into array leaves and a static part (`Layout`), the checks of
-  `keys` and of a stacked module's layer axis, the leaves' target structs and write groups;
-  the one home of the struct of a value (`struct_of`, and one layer's: `layer_struct`) and of
-  bytes (`struct_bytes`, `shard_bytes`, `tree_bytes`).
+  `keys` and of a stacked module's layer axis, the stacked leaves' structs (`stacked_structs`)
+  and write groups; the one home of the struct of a value (`struct_of`, and one layer's:
+  `layer_struct`) and of bytes (`struct_bytes`, `shard_bytes`, `tree_bytes`).
 - `rules`: what every user rule shares: the path convention (`PATH_CONVENTION`), the error a
   failing user rule or name function is re-raised as (`rule_error`), and `TreeDtypeRule`, the
   base of dtype rules resolved against the whole tree.
@@ -60,9 +60,9 @@ from .layout import (
     num_layers_of_keys as num_layers_of_keys,
     num_layers_of_stack as num_layers_of_stack,
     shard_bytes as shard_bytes,
+    stacked_structs as stacked_structs,
     struct_bytes as struct_bytes,
     struct_of as struct_of,
-    target_structs as target_structs,
     tree_bytes as tree_bytes,
     zeros_like_struct as zeros_like_struct,
 )

@@ -217,7 +217,7 @@ def num_layers_of_stack(dynamic: Any, num_layers: int | None = None) -> int:
     return length
 
 
-def target_structs(layout: Layout, num_layers: int, dtype: DtypePolicy) -> Structs:
+def stacked_structs(layout: Layout, num_layers: int, dtype: DtypePolicy) -> Structs:
     """The stacked leaves `(num_layers, *leaf.shape)` in the dtypes `dtype` chooses.
 
     `dtype` is resolved against the layer itself (its module types), each leaf seen per layer.
@@ -225,8 +225,8 @@ def target_structs(layout: Layout, num_layers: int, dtype: DtypePolicy) -> Struc
     layer = layout.combine(layout.structs)
     chosen = resolve_dtypes(dtype, layer, layout.paths, layout.structs)
     return tuple(
-        jax.ShapeDtypeStruct((num_layers, *leaf.shape), target, weak_type=weak)
-        for leaf, (target, weak) in zip(layout.structs, chosen, strict=True)
+        jax.ShapeDtypeStruct((num_layers, *leaf.shape), chosen_dtype, weak_type=weak)
+        for leaf, (chosen_dtype, weak) in zip(layout.structs, chosen, strict=True)
     )
 
 

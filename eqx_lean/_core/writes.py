@@ -28,7 +28,7 @@ from .layout import (
     layer_struct,
     leaf_groups,
     num_layers_of_keys,
-    target_structs,
+    stacked_structs,
     tree_bytes,
     zeros_like_struct as zeros_like_struct,
 )
@@ -211,7 +211,7 @@ def plan_build(
         WriteGroup(leaves, tuple(shardings[j] for j in leaves))
         for leaves in leaf_groups(layout.structs)
     )
-    structs = target_structs(layout, num_layers, dtype)
+    structs = stacked_structs(layout, num_layers, dtype)
     return BuildPlan(program, num_layers, _keys_struct(keys), structs, shardings, groups)
 
 
