@@ -111,9 +111,15 @@ def racer(path: str, saver: int, barrier, at_swap: bool) -> None:
     """Runs in a forked child: one save, released with the others; never returns."""
     try:
         waiting = [at_swap]
+        prefix = "." + os.path.basename(path) + ".tmp-"
+
+        def is_new(flushed: str) -> bool:  # the save's new directory itself, not one inside it
+            return os.path.basename(flushed).startswith(prefix)
 
         def hook(when: str, op: str, paths: tuple[str, ...]) -> None:
-            if waiting[0] and (when, op) == ("before", "rename"):
+            # The new directory's last flush, just before the save checks and swaps (which
+            # saves do one at a time, under a lock on the parent directory).
+            if waiting[0] and (when, op) == ("after", "fsync_dir") and is_new(paths[0]):
                 waiting[0] = False
                 barrier.wait(timeout=60)
 

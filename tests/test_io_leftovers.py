@@ -7,6 +7,7 @@ ones, and an old checkpoint left aside without an atomic exchange is renamed bac
 racing in real processes each end with exactly one saver's complete checkpoint.
 """
 
+import fcntl
 import json
 import os
 import signal
@@ -207,6 +208,33 @@ def test_a_save_locks_what_it_swaps_out_while_another_save_holds_it(tmp_path):
     assert seen == [True]
     assert leftovers(ckpt) == []
     assert_tensors_equal(read_checkpoint(ckpt), tensors_of(stacked(2, 5)))
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["first-save", "replacing"])
+def test_a_save_checks_and_swaps_under_a_lock_on_the_parent_directory(tmp_path, first):
+    """Saves of checkpoints in one directory check what they swap out and swap one at a time:
+    at the swap, the parent directory is locked, so no other save's swap can come between
+    this save's check and its swap."""
+    ckpt = tmp_path / "ckpt"
+    if not first:
+        save(ckpt)
+    held = []
+
+    def probe(when, op, paths):
+        if when == "before" and op in ("rename", "exchange") and Path(paths[1]) == ckpt:
+            fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                held.append(False)
+            except BlockingIOError:
+                held.append(True)
+            finally:
+                os.close(fd)
+
+    with fs.hooked(probe):
+        save(ckpt, stacked(2, 6))
+    assert held == [True]
+    assert_tensors_equal(read_checkpoint(ckpt), tensors_of(stacked(2, 6)))
 
 
 # --------------------------------------------------------------------------------------------

@@ -346,26 +346,31 @@ def _swap(
     It swaps out only the directory it locked before its last listing: if another save
     swapped a directory in (or a first save made one) meanwhile, it locks that one and lists
     again, so it carries over what that one holds, and never leaves a directory it swapped out
-    unlocked for a third save to take for a dead save's.
+    unlocked for a third save to take for a dead save's. The check and the swap happen under
+    an exclusive lock on the parent directory, which every save takes for them, so no other
+    save's swap comes between the two.
     """
     path, new = planned.path, carrier.new
     for _ in range(SWAP_TRIES):
         occupant = _lock_occupant(path, locks)  # before the last listing, as a wait may be
         listing = _settle(planned, carrier)
-        if _identity(path) != occupant:
-            continue  # replaced, made or deleted since it was locked: lock and list again
         mode = listing.mode if listing is not None else planned.mode if planned.exists else None
         carrier.finish(mode)
         try:
-            if listing is None:
-                fs.rename(new, path)
-                return None
-            if fs.exchange(new, path):
-                _hold_swapped_out(new, occupant, locks)
-                return new
-            _swap_by_renames(new, path, aside)
-            _hold_swapped_out(aside, occupant, locks)
-            return aside
+            # Saves in this directory check and swap one at a time: no other save's swap can
+            # come between this save's check and its swap.
+            with fs.swapping_in(path.parent):
+                if _identity(path) != occupant:
+                    continue  # replaced, made or deleted since it was locked: again
+                if listing is None:
+                    fs.rename(new, path)
+                    return None
+                if fs.exchange(new, path):
+                    _hold_swapped_out(new, occupant, locks)
+                    return new
+                _swap_by_renames(new, path, aside)
+                _hold_swapped_out(aside, occupant, locks)
+                return aside
         except FileExistsError:
             if listing is not None or not os.path.lexists(path):
                 raise
@@ -385,10 +390,10 @@ def _swap(
 def _hold_swapped_out(old: Path, occupant: tuple[int, int] | None, locks: contextlib.ExitStack):
     """Locks what the swap moved to `old` if it is not the directory locked before the swap.
 
-    That happens only when another save swapped its directory in within the moment between
-    the identity check and the swap. Locking it at once keeps the window in which it lies
-    unlocked at `old` to that of two system calls; what it held beyond its own files was not
-    carried over (the other save's swap came after this save's last listing).
+    Saves swap one at a time (`fs.swapping_in`), so that happens only when a process that is
+    no eqx_lean save replaced the target between the identity check and the swap (or where the
+    parent directory could not be locked). Locking it at once keeps the window in which it
+    lies unlocked at `old` to that of two system calls.
     """
     if _identity(old) != occupant:
         _lock_occupant(old, locks)

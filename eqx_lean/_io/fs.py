@@ -212,6 +212,27 @@ def lock(path: Path, *, shared: bool = False) -> int | None:
     return fd
 
 
+@contextlib.contextmanager
+def swapping_in(parent: Path) -> Iterator[None]:
+    """Holds an exclusive `flock` on the directory `parent` for the block, waiting for it.
+
+    Saves of checkpoints in `parent` hold it while they check what they will swap out and swap,
+    so no other save's swap comes between the two. The block takes microseconds. Where
+    `parent` cannot be opened (a directory this user may write to but not read), the block
+    runs without it.
+    """
+    try:
+        fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
 # --- files --------------------------------------------------------------------------------------
 
 _NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
