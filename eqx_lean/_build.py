@@ -66,6 +66,7 @@ def allocate_stacked(
     return layout.combine(_core.allocate(structs, stacked))
 
 
+# Test seam: tests/test_build.py interrupts a build between runs.
 def _runs(num_layers: int, per_call: int, progress: bool) -> Iterator[tuple[int, int]]:
     """`(start, stop)` of each run of layers one call writes, advancing a progress bar."""
     bar = _progress_bar(num_layers) if progress else None

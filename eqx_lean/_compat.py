@@ -21,6 +21,8 @@ import jax
 # The JAX releases whose private APIs below were read and tested (major, minor).
 TESTED_JAX_SERIES = (0, 10)
 
+# Test seam: `EQX_LEAN_NO_PRIVATE_JAX` (tests/test_compat.py) and `without_private_jax` (the tests
+# of every fallback) force the fallbacks; tests/test_compat.py also patches `jax.__version_info__`.
 _forced_off = os.environ.get("EQX_LEAN_NO_PRIVATE_JAX", "") not in ("", "0")
 
 
@@ -46,6 +48,8 @@ def without_private_jax() -> Iterator[None]:
 # Where JAX releases have kept `shard_alike` (public but experimental: JAX 0.10 has it in
 # `jax.experimental.shard_alike`; JAX 0.11.2, as installed on the GPU machine of 2026-11-25,
 # does not, and `import eqx_lean` failed there).
+# Test seam: tests/test_compat.py points it at modules without `shard_alike` and clears the cache
+# of `_find_shard_alike`.
 _SHARD_ALIKE_HOMES = ("jax.experimental.shard_alike", "jax.sharding", "jax.lax", "jax")
 
 
@@ -82,6 +86,7 @@ def shard_alike(x: Any, y: Any) -> tuple[Any, Any]:
 # --- lowering-rule overrides ------------------------------------------------------------------
 
 
+# Test seam: tests/test_compat.py clears its cache after hiding `jax.interpreters.mlir`.
 @functools.cache
 def _lowering_api() -> Any | None:
     """JAX's `mlir` module if it has what overriding lowering rules takes; `None` otherwise.

@@ -79,6 +79,7 @@ class Tricks:
         return {}
 
 
+# Test seam: tests/test_platform.py makes every program a GPU's.
 def platform_of(shardings: tuple[Sharding | None, ...] | list[Sharding | None]) -> str:
     """The platform a program over arrays with these shardings runs on (default: the backend's).
 
@@ -114,6 +115,7 @@ def lower(
     return traced.lower(lowering_platforms=lowering_platforms)
 
 
+# Test seam: tests/test_platform.py records the calls.
 @functools.cache
 def _malloc_trim() -> Callable[[int], int] | None:
     try:
@@ -171,6 +173,7 @@ ZERO_COPY_ALIGNMENT = 64
 (`jax.device_put` of NumPy data so aligned aliases it, even with `may_alias=False`)."""
 
 
+# Test seam: tests/test_platform.py forces the aligned offset at which `device_put` aliases.
 def _misaligned_offset(address: int, itemsize: int) -> int:
     """An offset from `address` (a multiple of `itemsize`) where data is not 64-byte aligned."""
     return 0 if address % ZERO_COPY_ALIGNMENT else itemsize

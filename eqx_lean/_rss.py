@@ -18,6 +18,7 @@ MEMORY_FIELDS = ("VmRSS", "VmHWM", "RssAnon", "RssFile")
 _PAGE_SIZE = resource.getpagesize()
 
 
+# Test seam: tests/test_rss.py reads a written-out status file instead.
 def _status_text(pid: int | str) -> str:
     return pathlib.Path(f"/proc/{pid}/status").read_text()
 

@@ -45,6 +45,8 @@ from .chunk_writes import (
 from .writes import allocate, delete_arrays
 
 
+# Test seam: tests/test_io_load.py, test_io.py and test_plan_estimate.py (and
+# benchmarks/io_load.py --writes compiled) switch host writes off.
 HOST_WRITES = True
 """Whether buffers on a platform with `Tricks.host_writes` (CPU) are written in place with
 NumPy. `False` compiles chunk writes everywhere, as on GPU and TPU: a documented internal switch
@@ -246,6 +248,7 @@ def _copy(task: tuple[np.ndarray, int, int | None, tuple[slice, ...]], read: Rea
     np.copyto(destination, read(buffer, layer, index), casting="unsafe")
 
 
+# Test seam: tests/test_io_load.py makes the pieces tiny, so that every tensor takes several.
 _HOST_PIECE_BYTES = 16 * 2**20  # copies are cut into pieces this big, spread over the threads
 
 

@@ -55,6 +55,7 @@ def _warn(message: str) -> None:
 # --- the target ---------------------------------------------------------------------------------
 
 
+# Test seam: tests/test_io_save.py adds mount points to it.
 def _mount_points() -> set[str]:
     """The mount points listed in `/proc/self/mountinfo` (bind mounts included)."""
     try:
@@ -301,6 +302,7 @@ def _settle(planned: SavePlan, carrier: carry.Carrier) -> carry.Listing | None:
     return listing
 
 
+# Test seam: tests/test_io_leftovers.py wraps it to run another save just after the first lock.
 def _lock_occupant(path: Path, locks: contextlib.ExitStack) -> tuple[int, int] | None:
     """Takes a shared lock, held until the save ends, on the directory at `path`, so that once
     swapped out it is never taken for a dead save's leftover.

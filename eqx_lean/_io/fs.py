@@ -43,6 +43,8 @@ from typing import Any, Literal, NamedTuple
 
 Hook = Callable[[str, str, tuple[str, ...]], None]
 
+# Test seam: the kill sweeps (tests/save_children.py, save_faults.py) and tests/test_io.py append
+# hooks here; other tests add them with `hooked`.
 HOOKS: list[Hook] = []
 """Called before and after every operation of this module: `hook(when, op, paths)`, with `op`
 one of mkdir, create, write, chmod, fsync, copy, symlink, fsync_dir, rename, exchange, unlink,
@@ -272,6 +274,8 @@ FICLONE = 0x40049409  # _IOW(0x94, 9, int): Linux's reflink ioctl (Btrfs, XFS, b
 def _copy_data(source: int, target: int) -> str:
     """Copies an open file's content into another; returns how (`reflink`, `kernel`, `read`)."""
     try:
+        # Test seam: tests/test_fs.py makes `fcntl.ioctl` and `os.copy_file_range` fail (and
+        # removes the latter) to take the plain read.
         fcntl.ioctl(target, FICLONE, source)
         return "reflink"
     except OSError:
@@ -361,6 +365,8 @@ RENAME_EXCHANGE = 2
 _SYSCALL_RENAMEAT2 = {"x86_64": 316, "aarch64": 276, "riscv64": 276, "ppc64le": 357, "s390x": 347}
 
 
+# Test seam: tests/test_fs.py, test_io_leftovers.py and save_faults.py replace it with
+# `lambda: None` (no exchange here); tests/test_fs.py gives it an old libc through `ctypes.CDLL`.
 @functools.cache
 def _renameat2() -> Callable[[bytes, bytes, int], int] | None:
     """Linux's `renameat2(AT_FDCWD, a, AT_FDCWD, b, flags)` through ctypes; `None` elsewhere."""

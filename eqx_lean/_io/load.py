@@ -46,7 +46,7 @@ from .quantized import (
     weight_path,
     with_quantized_linears,
 )
-from .safetensors import Maps
+from .safetensors import Maps  # Test seam: tests/test_plan_estimate.py makes reads fail.
 from .snapshot import Checkpoint, opened
 
 
@@ -55,6 +55,8 @@ M = TypeVar("M")
 # One call of a compiled write copies at most this many bytes (in the stored dtype, over every
 # leaf it fills and every distinct shard), so a load needs no more than this beside the model,
 # whatever the size of the largest tensor.
+# Test seam: tests/test_io_load.py and test_io.py make chunks small (benchmarks/plan_vs_measured.py
+# reads it).
 _CHUNK_BYTES = 4 * 2**20
 
 
@@ -115,6 +117,7 @@ def _plan_leaves(
     return layout, leaves, num_layers
 
 
+# Test seam: tests/test_io.py wraps it to record what each device reads.
 def _host_slice(stored: np.ndarray, name: TensorName, index: tuple[slice, ...]) -> np.ndarray:
     """The part `index` (in the leaf's axis order) of a stored tensor, as a view when possible."""
     view = stored if name.transpose is None else stored.transpose(name.transpose)
@@ -148,6 +151,7 @@ class _Reader:
             self.maps.release(self._tensor(j, layer)[1])
 
 
+# Test seam: tests/test_io_load.py and test_io.py make it fail, to show a refusal allocates nothing.
 def _allocate(plans: Sequence[BufferPlan]) -> list[Any]:
     return allocate_buffers(plans)
 

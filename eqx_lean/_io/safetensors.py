@@ -47,6 +47,7 @@ INDEX_FILE = index_name(WEIGHTS_FILE)
 """Hugging Face's index of a checkpoint's weight files, `model.safetensors.index.json`."""
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+# Test seam: tests/test_safetensors.py lowers it to test the refusal on a small file.
 _MAX_HEADER_BYTES = 100_000_000  # the limit of the reference `safetensors` implementation
 ALIGN = ZERO_COPY_ALIGNMENT  # tensor data so aligned is used in place by JAX on CPU (no copy)
 

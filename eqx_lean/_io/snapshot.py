@@ -194,6 +194,8 @@ def _check_extra_names(files: Any) -> tuple[str, ...]:
     return names
 
 
+# Test seam: tests/conftest.py (`when_load_files_are_open`) and tests/test_io_snapshot.py wrap its
+# methods (`__init__`, `directory`, `weight_file`, `live`) to land a save mid-open.
 class _Opener:
     """One try at opening a checkpoint: the descriptors it has opened, to check and to close."""
 

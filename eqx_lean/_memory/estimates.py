@@ -266,6 +266,8 @@ def _cast_bytes(plan: Any) -> int:
     )
 
 
+# Test seam (of a benchmark): benchmarks/plan_targets.py replaces it to compile and time each
+# program in turn.
 def _compile_side_by_side(plan: Any, lowered: dict[Any, Any]) -> Any:
     """Compiles `build_stacked`'s writes and every program in `lowered` in parallel threads."""
     # XLA compiles without the GIL; on a few cores this about halves the wait.

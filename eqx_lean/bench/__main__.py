@@ -114,6 +114,7 @@ def _config(args: argparse.Namespace) -> BlockConfig:
     )
 
 
+# Test seam: tests/test_bench.py stands in for the worker processes.
 def _run_worker(method: str, config: BlockConfig, dtype: str) -> dict[str, Any]:
     payload = json.dumps({**dataclasses.asdict(config), "dtype": dtype})
     proc = subprocess.run(

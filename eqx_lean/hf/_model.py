@@ -424,6 +424,7 @@ class _BlockFactory:
         return make_block(self.config, key=key, std=self.std, norm_std=self.norm_std)
 
 
+# Test seam: tests/test_docs.py wraps it to record the embedding and head draws.
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
 def _normal_matrix(key: PRNGKeyArray, shape: tuple[int, int], std: float, dtype: Any) -> Array:
     # Jitted so that the float32 draw is a temporary freed before the next tensor is built.

@@ -37,6 +37,7 @@ from ._nf4 import nf4_decode
 
 
 # Values of the decoded weight per slice on CPU: 2 MiB of bfloat16, within a core's cache.
+# Test seam: tests/test_quant_linear.py makes slices small.
 CHUNK_VALUES = 1 << 20
 
 
