@@ -51,7 +51,7 @@ def when_load_files_are_open(monkeypatch):
     """`install(action)`: runs `action()` once, when a load's first try has opened every file
     of the checkpoint and not yet checked that no save replaced it (where a save landing is
     the hardest to notice). Returns the list of what `action` returned, to check it ran."""
-    from eqx_lean._io import snapshot
+    from eqx_lean.internal import snapshot
 
     live = snapshot._Opener.live
     ran: list = []

@@ -27,7 +27,7 @@ import numpy as np
 import safetensors.numpy
 
 import eqx_lean
-from eqx_lean._io import fs
+from eqx_lean.internal import fs
 
 
 NAMES = {"w": "w.{i}"}

@@ -26,8 +26,8 @@ import sys
 import time
 import traceback
 
-from eqx_lean import _io
-from eqx_lean._io import fs
+import eqx_lean
+from eqx_lean.internal import fs
 
 
 def save(spec: dict, model, world: str) -> None:
@@ -38,7 +38,7 @@ def save(spec: dict, model, world: str) -> None:
         save_hf(model, target, **spec["save"])
     else:
         stacked, names = model
-        _io.save_stacked(target, stacked, names, **spec["save"])
+        eqx_lean.save_stacked(target, stacked, names, **spec["save"])
 
 
 def child(spec: dict, model, world: str, progress: str, kill_at: int | None) -> None:

@@ -10,8 +10,7 @@ from typing import Any
 
 import pytest
 
-from eqx_lean.bench import __main__ as bench, _plot
-from eqx_lean.bench._models import BlockConfig
+from eqx_lean.internal import BlockConfig, bench_cli, bench_main, sweep_table, write_plot
 
 
 MiB = 2**20
@@ -67,18 +66,18 @@ SWEEP_ROWS = [
 
 def test_write_plot_writes_a_png(tmp_path):
     path = tmp_path / "new" / "plot.png"
-    _plot.write_plot(SWEEP_ROWS, path, title="a title")
+    write_plot(SWEEP_ROWS, path, title="a title")
     assert _png_size(path) == (750, 480)  # figsize (7.5, 4.8) at 100 dpi
     assert 20_000 < path.stat().st_size < 100_000
 
 
 def test_write_plot_needs_a_measured_run(tmp_path):
     with pytest.raises(ValueError, match="`rows` must hold at least one measured run"):
-        _plot.write_plot(SWEEP_ROWS[-1:], tmp_path / "plot.png", title="t")
+        write_plot(SWEEP_ROWS[-1:], tmp_path / "plot.png", title="t")
 
 
 def test_sweep_table():
-    lines = _plot.sweep_table(SWEEP_ROWS).splitlines()
+    lines = sweep_table(SWEEP_ROWS).splitlines()
     assert re.split(r"\s{2,}", lines[1]) == ["method", "L=6", "L=24"]
     assert re.split(r"\s{2,}", lines[2]) == ["filter_vmap", "620 MiB 3.97x", "2313 MiB 3.71x"]
     assert re.split(r"\s{2,}", lines[3]) == ["build_stacked", "280 MiB 1.79x", "758 MiB 1.21x"]
@@ -92,9 +91,9 @@ def test_sweep_table():
 
 def test_default_sweep_is_a_quarter_and_a_half(monkeypatch, tmp_path, capsys):
     calls = []
-    monkeypatch.setattr(bench, "_run_worker", _fake_worker(calls))
+    monkeypatch.setattr(bench_cli, "_run_worker", _fake_worker(calls))
     argv = ["--layers", "8", *TINY, "--methods", "filter_vmap,list + jnp.stack"]
-    assert bench.main([*argv, "--out", str(tmp_path)]) == 0
+    assert bench_main([*argv, "--out", str(tmp_path)]) == 0
     # Only the headline methods among --methods are swept by default.
     assert calls == [
         ("filter_vmap", 8),
@@ -110,26 +109,26 @@ def test_default_sweep_is_a_quarter_and_a_half(monkeypatch, tmp_path, capsys):
 
 def test_no_plot_skips_the_plot_and_the_sweep(monkeypatch, tmp_path, capsys):
     calls = []
-    monkeypatch.setattr(bench, "_run_worker", _fake_worker(calls))
+    monkeypatch.setattr(bench_cli, "_run_worker", _fake_worker(calls))
     argv = ["--layers", "8", *TINY, "--methods", "filter_vmap", "--no-plot"]
-    assert bench.main([*argv, "--out", str(tmp_path / "out")]) == 0
+    assert bench_main([*argv, "--out", str(tmp_path / "out")]) == 0
     assert calls == [("filter_vmap", 8)]
     assert not (tmp_path / "out").exists()
     assert "Plot written" not in capsys.readouterr().out
 
     # An explicit sweep still runs without a plot.
     calls.clear()
-    assert bench.main([*argv, "--sweep-layers", "3", "--out", str(tmp_path / "out")]) == 0
+    assert bench_main([*argv, "--sweep-layers", "3", "--out", str(tmp_path / "out")]) == 0
     assert calls == [("filter_vmap", 8), ("filter_vmap", 3)]
     assert not (tmp_path / "out").exists()
 
 
 def test_sweep_methods(monkeypatch, tmp_path):
     calls = []
-    monkeypatch.setattr(bench, "_run_worker", _fake_worker(calls))
+    monkeypatch.setattr(bench_cli, "_run_worker", _fake_worker(calls))
     argv = ["--layers", "4", *TINY, "--methods", "filter_vmap", "--sweep-layers", "2,4,6"]
     argv += ["--sweep-methods", "filter_vmap,list + jnp.stack", "--out", str(tmp_path)]
-    assert bench.main(argv) == 0
+    assert bench_main(argv) == 0
     # L=4 is the table's run; only the other points are new runs.
     assert calls == [
         ("filter_vmap", 4),
@@ -142,9 +141,9 @@ def test_sweep_methods(monkeypatch, tmp_path):
 
 def test_sweep_layers_none(monkeypatch, tmp_path):
     calls = []
-    monkeypatch.setattr(bench, "_run_worker", _fake_worker(calls))
+    monkeypatch.setattr(bench_cli, "_run_worker", _fake_worker(calls))
     argv = ["--layers", "8", *TINY, "--methods", "filter_vmap", "--sweep-layers", "none"]
-    assert bench.main([*argv, "--out", str(tmp_path)]) == 0
+    assert bench_main([*argv, "--out", str(tmp_path)]) == 0
     assert calls == [("filter_vmap", 8)]
     assert (tmp_path / "peak_memory.png").exists()
 
@@ -152,16 +151,16 @@ def test_sweep_layers_none(monkeypatch, tmp_path):
 def test_without_matplotlib_a_note_and_no_plot(monkeypatch, tmp_path, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
-    monkeypatch.setattr(bench, "_run_worker", _fake_worker([]))
+    monkeypatch.setattr(bench_cli, "_run_worker", _fake_worker([]))
     argv = ["--layers", "4", *TINY, "--methods", "filter_vmap", "--out", str(tmp_path / "out")]
-    assert bench.main(argv) == 0
+    assert bench_main(argv) == 0
     out = capsys.readouterr().out
     assert "matplotlib is not installed, so no plot was written" in out
     assert "Plot written" not in out
     assert not (tmp_path / "out").exists()
 
     # With --json the note goes to stderr and stdout stays one JSON document.
-    assert bench.main([*argv, "--json"]) == 0
+    assert bench_main([*argv, "--json"]) == 0
     captured = capsys.readouterr()
     assert "matplotlib is not installed" in captured.err
     assert json.loads(captured.out)["plot"] is None
@@ -170,7 +169,7 @@ def test_without_matplotlib_a_note_and_no_plot(monkeypatch, tmp_path, capsys):
 @pytest.mark.parametrize("text", ["0", "4,x", ",", "-2"])
 def test_bad_sweep_layers(text, capsys):
     with pytest.raises(SystemExit):
-        bench.main(["--sweep-layers", text])
+        bench_main(["--sweep-layers", text])
     assert "--sweep-layers must be comma-separated positive integers or 'none'" in (
         capsys.readouterr().err
     )
@@ -178,7 +177,7 @@ def test_bad_sweep_layers(text, capsys):
 
 def test_bad_sweep_methods(capsys):
     with pytest.raises(SystemExit):
-        bench.main(["--sweep-methods", "filter_vmap,vmapp"])
+        bench_main(["--sweep-methods", "filter_vmap,vmapp"])
     assert "--sweep-methods: unknown ['vmapp']" in capsys.readouterr().err
 
 

@@ -11,8 +11,15 @@ import pytest
 from jaxtyping import Array, PRNGKeyArray
 
 import eqx_lean
-from eqx_lean import _build, _core
-from eqx_lean.bench._models import Block, BlockConfig
+from eqx_lean.internal import (
+    Block,
+    BlockConfig,
+    build_calls,
+    compile_writes,
+    memory_analysis,
+    plan_build,
+    write_temp_bytes,
+)
 
 
 # --- layers under test -----------------------------------------------------------------------
@@ -252,10 +259,10 @@ def test_writes_alias_the_stacked_buffers():
     abstract = eqx.filter_eval_shape(make_block, keys[0])
     leaves = jax.tree.leaves(abstract)
     stacked_bytes = 8 * sum(x.size * 2 for x in leaves if isinstance(x, jax.ShapeDtypeStruct))
-    plan = _core.plan_build(make_block, keys, jnp.bfloat16, None, None)
-    compiled = _core.compile_writes(plan)
+    plan = plan_build(make_block, keys, jnp.bfloat16, None, None)
+    compiled = compile_writes(plan)
     for group, executable in zip(plan.groups, compiled, strict=True):
-        analysis = _core.memory_analysis(executable)
+        analysis = memory_analysis(executable)
         group_bytes = sum(plan.structs[j].size * 2 for j in group.leaves)
         assert analysis.alias_size_in_bytes == group_bytes
         # Besides the aliased buffers, the output holds only a table of pointers.
@@ -413,7 +420,7 @@ def test_failure_midway_frees_the_buffers(monkeypatch):
         yield 1, 2
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(_build, "_runs", failing_runs)
+    monkeypatch.setattr(build_calls, "_runs", failing_runs)
     before = live_array_ids()
     with pytest.raises(KeyboardInterrupt):
         eqx_lean.build_stacked(make_block, keys)
@@ -558,8 +565,8 @@ def test_peak_memory_in_a_fresh_process():
     figures = json.loads(proc.stdout.strip().splitlines()[-1])
     keys = jax.random.split(jax.random.key(0), config["num_layers"])
     block_config = BlockConfig(**config)
-    largest_temp = _core.write_temp_bytes(
-        _core.plan_build(lambda k: Block(block_config, key=k), keys, jnp.bfloat16)
+    largest_temp = write_temp_bytes(
+        plan_build(lambda k: Block(block_config, key=k), keys, jnp.bfloat16)
     )[0]
     float32_stack = 2 * figures["final_bytes"]
     # What compiling the writes and XLA:CPU's runtime leave resident beyond XLA's own figures:

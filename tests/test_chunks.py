@@ -12,7 +12,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eqx_lean._core import chunk_plan, chunk_writes, chunks, memory_analysis
+from eqx_lean.internal import (
+    CHUNK_ALIGN,
+    BufferPlan,
+    allocate_buffers,
+    call_offsets,
+    compile_chunk_writes,
+    fill_chunks,
+    lower_chunk_write,
+    memory_analysis,
+    plan_chunks,
+)
 
 
 REPO = Path(__file__).resolve().parent.parent
@@ -21,7 +31,7 @@ MIB = 2**20
 
 def buffer_plan(shape, dtype=jnp.bfloat16, stacked=True, source=np.float32, sharding=None):
     struct = jax.ShapeDtypeStruct(shape, dtype)
-    return chunk_plan.BufferPlan(struct, sharding, stacked, np.dtype(source))
+    return BufferPlan(struct, sharding, stacked, np.dtype(source))
 
 
 # Mistral-7B-shaped: one block's leaves (stacked over 32 layers) and the embedding and head.
@@ -32,21 +42,21 @@ BLOCK += [(14336, 4096), (14336, 4096), (4096, 14336)]
 def test_calls_cover_every_row_within_the_chunk_budget():
     plans = [buffer_plan((32, *shape)) for shape in BLOCK]
     plans += [buffer_plan((32000, 4096), stacked=False), buffer_plan((4096,), stacked=False)]
-    (stacked, plain) = chunks.plan_chunks(plans, 4 * MIB, host_writes=False)
+    (stacked, plain) = plan_chunks(plans, 4 * MIB, host_writes=False)
     for group in (stacked, plain):
         staged = sum(p.staged_bytes() for p in group.parts)
         one_row = sum(
-            int(np.prod(p.local[p.row_axis + 1 :])) * 4 + chunk_writes.ALIGN for p in group.parts
+            int(np.prod(p.local[p.row_axis + 1 :])) * 4 + CHUNK_ALIGN for p in group.parts
         )
         assert staged <= 4 * MIB + one_row, (staged, one_row)
         for part in group.parts:
             rows = part.local[part.row_axis]
             starts = {
-                int(chunk_writes._call_offsets(group, 0, call)[1 + group.parts.index(part)])
+                int(call_offsets(group, 0, call)[1 + group.parts.index(part)])
                 for call in range(group.calls)
             }
             covered = set().union(*(range(s, s + part.rows) for s in starts))
-            assert covered == set(range(rows)), part.buffer
+            assert covered == set(range(rows)), part.target
     assert stacked.local_layers == 32 and plain.local_layers == 1
 
 
@@ -55,8 +65,8 @@ def test_compiled_write_needs_at_most_one_chunk_beside_its_buffers():
     write's temporaries are at most the chunk (the cast values), never a tensor or a layer."""
     plans = [buffer_plan((32, *shape)) for shape in BLOCK]
     plans += [buffer_plan((32000, 4096), stacked=False), buffer_plan((32000, 4096), stacked=False)]
-    for group in chunks.plan_chunks(plans, 4 * MIB, host_writes=False):
-        analysis = memory_analysis(chunks.lower_chunk_write(group).compile())
+    for group in plan_chunks(plans, 4 * MIB, host_writes=False):
+        analysis = memory_analysis(lower_chunk_write(group).compile())
         buffers = sum(int(np.prod(b.shape)) * 2 for b in group.buffers)
         assert analysis.alias_size_in_bytes == buffers  # updated in place
         assert analysis.temp_size_in_bytes <= 4 * MIB, analysis.temp_size_in_bytes
@@ -69,19 +79,19 @@ def test_sharded_compiled_write_is_one_program_for_every_device(tmp_path):
             """
             import jax, jax.numpy as jnp, numpy as np
             from jax.sharding import NamedSharding, PartitionSpec as P
-            from eqx_lean._core import chunk_plan, chunks, memory_analysis
+            from eqx_lean.internal import BufferPlan, lower_chunk_write, plan_chunks
 
             mesh = jax.make_mesh((8,), ("data",))
             def buffer_plan(shape, spec, stacked=True):
                 struct = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
                 sharding = NamedSharding(mesh, spec)
-                return chunk_plan.BufferPlan(struct, sharding, stacked, np.dtype(np.float32))
+                return BufferPlan(struct, sharding, stacked, np.dtype(np.float32))
             plans = [buffer_plan((32, 14336, 4096), P(None, "data")),
-                     buffer_plan((32, 4096, 14336), P(None, None, "data")),
-                     buffer_plan((32, 4096), P()),
-                     buffer_plan((32000, 4096), P("data"), stacked=False)]
-            for group in chunks.plan_chunks(plans, 4 * 2**20, host_writes=False):
-                analysis = chunks.lower_chunk_write(group).compile().memory_analysis()
+                       buffer_plan((32, 4096, 14336), P(None, None, "data")),
+                       buffer_plan((32, 4096), P()),
+                       buffer_plan((32000, 4096), P("data"), stacked=False)]
+            for group in plan_chunks(plans, 4 * 2**20, host_writes=False):
+                analysis = lower_chunk_write(group).compile().memory_analysis()
                 per_device = sum(
                     int(np.prod(b.sharding.shard_shape(b.shape))) * 2 for b in group.buffers)
                 assert analysis.alias_size_in_bytes == per_device, analysis
@@ -113,7 +123,7 @@ def test_host_buffers_allocated_in_threads_come_back_in_target_order():
         buffer_plan(shape, dtypes[j % 3], stacked=len(shape) == 3, sharding=shardings[j % 3])
         for j, shape in enumerate(shapes)
     ]
-    buffers = chunks.allocate_buffers(plans, host_writes=True)
+    buffers = allocate_buffers(plans, host_writes=True)
     for j, (t, buffer) in enumerate(zip(plans, buffers, strict=True)):
         assert buffer.shape == t.struct.shape and buffer.dtype == t.struct.dtype, j
         assert buffer.committed == (t.sharding is not None), j
@@ -122,19 +132,17 @@ def test_host_buffers_allocated_in_threads_come_back_in_target_order():
         np.testing.assert_array_equal(np.asarray(buffer), np.zeros(t.struct.shape, t.struct.dtype))
         before = buffer.unsafe_buffer_pointer()
         updated = jax.jit(lambda x: x + 1, donate_argnums=0)(buffer)
-        assert updated.unsafe_buffer_pointer() == before, f"buffer {j}: donation copied"
+        assert updated.unsafe_buffer_pointer() == before, f"target {j}: donation copied"
 
 
 @pytest.mark.parametrize("host_writes", [True, False])
 def test_zero_size_buffers_are_allocated_and_left_alone(host_writes):
     plans = [buffer_plan((3, 0, 4)), buffer_plan((2, 5), stacked=False)]
-    groups = chunks.plan_chunks(plans, MIB, host_writes=host_writes)
-    assert [p.buffer for g in groups for p in g.parts] == [1]
-    buffers = chunks.allocate_buffers(plans, host_writes=host_writes)
+    groups = plan_chunks(plans, MIB, host_writes=host_writes)
+    assert [p.target for g in groups for p in g.parts] == [1]
+    buffers = allocate_buffers(plans, host_writes=host_writes)
     assert [b.shape for b in buffers] == [(3, 0, 4), (2, 5)]
     values = np.arange(10, dtype=np.float32).reshape(2, 5)
-    compiled = chunks.compile_chunk_writes(groups)
-    chunks.fill_chunks(
-        groups, compiled, buffers, lambda j, layer, index: values[index], lambda *_: None
-    )
+    compiled = compile_chunk_writes(groups)
+    fill_chunks(groups, compiled, buffers, lambda j, layer, index: values[index], lambda *_: None)
     np.testing.assert_array_equal(np.asarray(buffers[1], np.float32), values)

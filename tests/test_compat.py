@@ -15,9 +15,16 @@ import numpy as np
 import pytest
 
 import eqx_lean
-from eqx_lean import _compat
-from eqx_lean._scan import linear_call
-from eqx_lean.bench._models import Block, BlockConfig
+from eqx_lean.internal import (
+    Block,
+    BlockConfig,
+    can_override_lowering,
+    compat,
+    has_custom_transpose,
+    private_jax_allowed,
+    shard_alike,
+    without_private_jax,
+)
 
 
 TINY = BlockConfig(num_layers=3, dim=16, hidden=24, heads=2, kv_heads=1)
@@ -81,22 +88,22 @@ def every_use(tmp_path):
 
 
 def test_private_apis_are_used_on_the_tested_jax():
-    assert _compat.private_jax_allowed()
-    assert _compat.can_override_lowering()
-    assert linear_call.has_custom_transpose()
+    assert private_jax_allowed()
+    assert can_override_lowering()
+    assert has_custom_transpose()
 
 
 def test_another_jax_series_takes_the_fallbacks(monkeypatch):
     monkeypatch.setattr(jax, "__version_info__", (0, 11, 0))
-    assert not _compat.private_jax_allowed()
-    assert not _compat.can_override_lowering()
-    assert not linear_call.has_custom_transpose()
+    assert not private_jax_allowed()
+    assert not can_override_lowering()
+    assert not has_custom_transpose()
 
 
 def test_forced_fallbacks_give_the_same_values(tmp_path):
     normal = every_use(tmp_path / "normal")
-    with _compat.without_private_jax():
-        assert not _compat.can_override_lowering()
+    with without_private_jax():
+        assert not can_override_lowering()
         eqx_lean.clear_caches()  # so nothing compiled with the private path is reused
         fallback = every_use(tmp_path / "fallback")
     assert sorted(normal) == sorted(fallback)
@@ -112,39 +119,39 @@ def test_a_jax_without_the_lowering_hook_takes_the_fallback(monkeypatch, tmp_pat
 
     monkeypatch.delattr(jax.interpreters, "mlir")
     monkeypatch.setitem(sys.modules, "jax.interpreters.mlir", None)
-    _compat._lowering_api.cache_clear()
+    compat._lowering_api.cache_clear()
     try:
-        assert _compat._lowering_api() is None
-        assert not _compat.can_override_lowering()
+        assert compat._lowering_api() is None
+        assert not can_override_lowering()
         eqx_lean.clear_caches()
         assert_bitwise(eqx_lean.build_stacked(make_block, KEYS, jnp.bfloat16), normal)
     finally:
-        _compat._lowering_api.cache_clear()
+        compat._lowering_api.cache_clear()
         eqx_lean.clear_caches()
 
 
 def test_shard_alike_is_found_where_this_jax_keeps_it():
-    from jax.experimental.shard_alike import shard_alike
+    from jax.experimental.shard_alike import shard_alike as jax_shard_alike
 
-    _compat._find_shard_alike.cache_clear()
-    assert _compat._find_shard_alike() is shard_alike
+    compat._find_shard_alike.cache_clear()
+    assert compat._find_shard_alike() is jax_shard_alike
 
 
 def test_a_jax_without_shard_alike_runs_on_one_device_and_says_so_on_several(monkeypatch):
     # JAX 0.11.2 (seen on a lent GPU machine) has no `jax.experimental.shard_alike`; a single
     # device needs nothing tied, several cannot do without it.
     x, y = jnp.arange(3.0), jnp.zeros(3)
-    monkeypatch.setattr(_compat, "_SHARD_ALIKE_HOMES", ("no_such_module_here", "jax.numpy"))
-    _compat._find_shard_alike.cache_clear()
+    monkeypatch.setattr(compat, "_SHARD_ALIKE_HOMES", ("no_such_module_here", "jax.numpy"))
+    compat._find_shard_alike.cache_clear()
     try:
-        assert _compat._find_shard_alike() is None
-        tied_x, tied_y = _compat.shard_alike(x, y)
+        assert compat._find_shard_alike() is None
+        tied_x, tied_y = shard_alike(x, y)
         assert tied_x is x and tied_y is y
         monkeypatch.setattr(jax, "device_count", lambda: 8)
         with pytest.raises(NotImplementedError, match="needs `shard_alike`.*use JAX 0.10"):
-            _compat.shard_alike(x, y)
+            shard_alike(x, y)
     finally:
-        _compat._find_shard_alike.cache_clear()
+        compat._find_shard_alike.cache_clear()
 
 
 @pytest.mark.parametrize("value", ["1", "0"])
@@ -153,10 +160,10 @@ def test_the_environment_variable_forces_the_fallbacks(value):
         """
         import jax, jax.numpy as jnp
         import eqx_lean
-        from eqx_lean import _compat
+        from eqx_lean.internal import can_override_lowering
         keys = jax.random.split(jax.random.key(0), 2)
         built = eqx_lean.build_stacked(lambda k: jax.random.normal(k, (256, 300)), keys)
-        print(_compat.can_override_lowering(), float(built.sum()))
+        print(can_override_lowering(), float(built.sum()))
         """
     )
     env = {"EQX_LEAN_NO_PRIVATE_JAX": value, "JAX_PLATFORMS": "cpu", "PATH": ""}

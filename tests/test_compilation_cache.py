@@ -56,7 +56,7 @@ def _where(env: dict[str, str], call: str = "eqx_lean.use_compilation_cache()") 
 def test_the_default_directory_is_per_machine_and_private(tmp_path):
     code = """
         import json, jax, eqx_lean
-        from eqx_lean._compilation_cache import machine_key
+        from eqx_lean.internal import machine_key
         path = eqx_lean.use_compilation_cache()
         print(json.dumps([str(path), jax.config.jax_compilation_cache_dir, machine_key()]))
     """

@@ -27,8 +27,17 @@ from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 from jaxtyping import Array
 
 import eqx_lean
-from eqx_lean import _core
-from eqx_lean.bench._models import Block, BlockConfig
+from eqx_lean.internal import (
+    EMBED_MAX_BYTES,
+    WRITES,
+    Block,
+    BlockConfig,
+    CompiledCache,
+    jaxpr_key,
+    plan_build,
+    trace_layer,
+    value_key,
+)
 
 
 TINY = BlockConfig(num_layers=3, dim=16, hidden=24, heads=2, kv_heads=1)
@@ -138,7 +147,7 @@ def test_a_captured_numpy_array_updated_in_place_gives_new_values():
 def test_a_large_captured_array_is_an_argument_and_updated_in_place_gives_new_values():
     # Larger than `EMBED_MAX_BYTES`: passed to the compiled writes, never embedded.
     side = 1024
-    assert side * side * 4 > _core.program.EMBED_MAX_BYTES
+    assert side * side * 4 > EMBED_MAX_BYTES
     offset = np.zeros((side, side), np.float32)
 
     def make(key):
@@ -149,7 +158,7 @@ def test_a_large_captured_array_is_an_argument_and_updated_in_place_gives_new_va
     offset += 4.0
     second = eqx_lean.build_stacked(make, keys)
     np.testing.assert_allclose(second, first + 4.0, rtol=1e-6)
-    plan = _core.plan_build(make, keys)
+    plan = plan_build(make, keys)
     assert plan.program.embedded == (False,)
 
 
@@ -188,9 +197,9 @@ def test_a_layer_with_custom_derivatives_compiles_once(compiles):
 
 
 def test_derivative_rules_are_left_out_of_the_key_and_the_forward_program_is_not():
-    relu = _core.program.jaxpr_key(jax.make_jaxpr(jax.nn.relu)(1.0).jaxpr)
-    assert relu == _core.program.jaxpr_key(jax.make_jaxpr(jax.nn.relu)(1.0).jaxpr)
-    assert relu != _core.program.jaxpr_key(jax.make_jaxpr(jax.nn.relu6)(1.0).jaxpr)
+    relu = jaxpr_key(jax.make_jaxpr(jax.nn.relu)(1.0).jaxpr)
+    assert relu == jaxpr_key(jax.make_jaxpr(jax.nn.relu)(1.0).jaxpr)
+    assert relu != jaxpr_key(jax.make_jaxpr(jax.nn.relu6)(1.0).jaxpr)
 
 
 def test_a_different_dtype_compiles_again(compiles):
@@ -279,16 +288,16 @@ def test_no_cache_keeps_the_function_alive():
 def test_clear_caches_forgets_the_writes(compiles):
     keys = keys_of(TINY.num_layers)
     eqx_lean.build_stacked(lambda k: Block(TINY, key=k), keys)
-    assert len(_core.WRITES) > 0
+    assert len(WRITES) > 0
     eqx_lean.clear_caches()
-    assert len(_core.WRITES) == 0
+    assert len(WRITES) == 0
     before = compiles.count
     eqx_lean.build_stacked(lambda k: Block(TINY, key=k), keys)
     assert compiles.count > before
 
 
 def test_the_cache_is_bounded_least_recently_used_first():
-    cache = _core.compiled_cache.CompiledCache(max_entries=2)
+    cache = CompiledCache(max_entries=2)
     cache.put("a", 1)
     cache.put("b", 2)
     assert cache.get("a") == 1  # "b" is now the least recently used
@@ -323,7 +332,7 @@ def test_concurrent_builds_agree():
 
 
 def trace(make, shape=()):
-    return _core.trace_layer(make, jax.ShapeDtypeStruct(shape, jax.random.key(0).dtype))
+    return trace_layer(make, jax.ShapeDtypeStruct(shape, jax.random.key(0).dtype))
 
 
 def test_equal_programs_have_equal_keys_and_others_do_not():
@@ -345,7 +354,6 @@ def test_functions_in_parameters_are_compared_by_identity():
     def same_code(x):
         return x
 
-    value_key = _core.program._value_key
     assert value_key(one) == value_key(one)
     assert value_key(one) != value_key(same_code)
     # Value types are compared by value, whichever object holds them.

@@ -524,17 +524,18 @@ def test_a_shallow_full_width_build_s_embedding_draw_outweighs_the_model(monkeyp
     import jax
     import jax.numpy as jnp
 
-    from eqx_lean.hf import MistralConfig, _model, init
+    from eqx_lean.hf import MistralConfig, init
+    from eqx_lean.internal import hf_model
 
     config = dataclasses.replace(MistralConfig.v0_1(), num_hidden_layers=2)
     draws = []
-    draw = _model._normal_matrix
+    draw = hf_model._normal_matrix
 
     def recorded(key, shape, std, dtype):
         draws.append((shape, std, jnp.dtype(dtype)))
         return draw(key, shape, std, dtype)
 
-    monkeypatch.setattr(_model, "_normal_matrix", recorded)
+    monkeypatch.setattr(hf_model, "_normal_matrix", recorded)
     jax.eval_shape(lambda key: init(config, key=key, dtype=jnp.bfloat16), jax.random.key(0))
     embedding = ((32000, 4096), config.initializer_range, jnp.dtype(jnp.bfloat16))
     assert draws == [embedding, embedding]  # the embedding, then the (untied) head

@@ -103,7 +103,8 @@ def test_a_substring_rule_misses_gpt2_names_where_the_type_rule_does_not():
 
 
 def test_subclasses_match_and_the_example_rmsnorm_is_matched_by_its_own_class():
-    from eqx_lean.hf._model import RMSNorm, make_block as make_mistral_block
+    from eqx_lean.hf import make_block as make_mistral_block
+    from eqx_lean.internal import RMSNorm
     from examples.mistral7b.train import small_config
 
     config = small_config()
@@ -184,7 +185,7 @@ def test_a_type_rule_that_matches_no_module_is_an_error():
 
 
 def test_a_class_of_the_same_name_from_elsewhere_is_named_in_the_error():
-    from eqx_lean.hf._model import make_block as make_mistral_block
+    from eqx_lean.hf import make_block as make_mistral_block
     from examples.mistral7b.train import small_config
 
     config = small_config()

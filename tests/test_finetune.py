@@ -30,7 +30,7 @@ from eqx_lean.hf import (
     save_hf,
     save_state,
 )
-from eqx_lean.hf._data import batches
+from eqx_lean.internal import batches
 from eqx_lean.lora import LoraConfig, add_lora, lora_filter
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from eqx_lean._io import fs
+from eqx_lean.internal import fs
 
 
 @pytest.fixture

@@ -25,7 +25,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, PRNGKeyArray
 
 import eqx_lean
-from eqx_lean.bench._models import Block, BlockConfig
+from eqx_lean.internal import Block, BlockConfig
 
 
 NUM_LAYERS = 4

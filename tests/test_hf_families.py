@@ -14,9 +14,8 @@ import pytest
 import safetensors.numpy
 from test_mistral import hf_logits, max_diff, randomized
 
-from eqx_lean.hf import MistralConfig, generate, init, load_hf, save_hf
-from eqx_lean.hf._config import DecoderConfig
-from eqx_lean.hf._model import Decoder, Mistral
+from eqx_lean.hf import Mistral, MistralConfig, generate, init, load_hf, save_hf
+from eqx_lean.internal import Decoder, DecoderConfig
 
 
 torch = pytest.importorskip("torch")
@@ -174,7 +173,7 @@ def test_load_and_save_match_transformers(tmp_path, family, form):
 def test_llama3_rope_frequencies_are_transformers():
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from eqx_lean.hf._rope import Llama3Rope, inverse_frequencies
+    from eqx_lean.internal import Llama3Rope, inverse_frequencies
 
     config = transformers.LlamaConfig(
         **dict(SHAPE, head_dim=64, num_attention_heads=1),

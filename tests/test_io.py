@@ -19,7 +19,7 @@ import safetensors.numpy
 from safetensors import safe_open
 
 import eqx_lean
-from eqx_lean import _io
+from eqx_lean.internal import io_load
 
 
 REPO = Path(__file__).resolve().parent.parent
@@ -297,7 +297,7 @@ def hf_model_names(path, leaf):
 
 def test_whole_model_with_plain_tensors_round_trips(tmp_path, monkeypatch):
     # Tiny pieces force plain tensors to be copied in several pieces, the last one shorter.
-    monkeypatch.setattr(_io.load, "_CHUNK_BYTES", 5 * 8 * 4)
+    monkeypatch.setattr(io_load, "_CHUNK_BYTES", 5 * 8 * 4)
     model = random_model(3)
     eqx_lean.save_tensors(tmp_path / "ckpt", model, hf_model_names, max_shard_bytes=2000)
     like = eqx.filter_eval_shape(Model, 3, key=jax.random.key(1))
@@ -430,7 +430,7 @@ def test_save_killed_midway_leaves_previous_checkpoint_loadable(tmp_path):
         import sys, time
         import jax.numpy as jnp
         import eqx_lean
-        from eqx_lean import _io
+        from eqx_lean.internal import fs
 
         count = [0]
 
@@ -442,7 +442,7 @@ def test_save_killed_midway_leaves_previous_checkpoint_loadable(tmp_path):
                 print("writing", flush=True)
             time.sleep(0.5)
 
-        _io.fs.HOOKS.append(slow_write)
+        fs.HOOKS.append(slow_write)
         new = {{"w": -jnp.ones((6, 4, 4), jnp.float32)}}
         eqx_lean.save_stacked({str(tmp_path / "ckpt")!r}, new, {names!r}, max_shard_bytes=64)
         print("finished", flush=True)
@@ -485,8 +485,7 @@ def test_sharded_load_on_8_devices_equals_unsharded(tmp_path):
         import jax, jax.numpy as jnp, ml_dtypes, numpy as np, safetensors.numpy
         from jax.sharding import NamedSharding, PartitionSpec as P
         import eqx_lean
-        from eqx_lean import _io
-        from eqx_lean._core import chunks
+        from eqx_lean.internal import chunks, io_load
 
         assert jax.device_count() == 8
         rng = np.random.default_rng(0)
@@ -515,13 +514,13 @@ def test_sharded_load_on_8_devices_equals_unsharded(tmp_path):
         expected_shardings = {{k: NamedSharding(mesh, s) for k, s in stacked_specs.items()}}
 
         reads = []
-        host_slice = _io.load._host_slice
+        host_slice = io_load._host_slice
         def recording_host_slice(stored, name, index):
             value = host_slice(stored, name, index)
             reads.append((name.name, value.shape))
             return value
-        _io.load._host_slice = recording_host_slice
-        _io.load._CHUNK_BYTES = 2 * 8 * 4  # the compiled writes: one row of each shard per call
+        io_load._host_slice = recording_host_slice
+        io_load._CHUNK_BYTES = 2 * 8 * 4  # the compiled writes: one row of each shard per call
         path = {str(tmp_path / "m.safetensors")!r}
         reference = {{"w": w.astype(ml_dtypes.bfloat16), "v": v, "t": t, "emb": emb}}
         per_layer_shard = {{"l.{{i}}.w": (4, 3), "l.{{i}}.v": (2,), "l.{{i}}.t": (2, 6),
@@ -679,7 +678,7 @@ def no_allocation(monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("a buffer was allocated")
 
-    monkeypatch.setattr(_io.load, "_allocate", fail)
+    monkeypatch.setattr(io_load, "_allocate", fail)
 
 
 def test_missing_tensors_are_listed_with_a_count(saved):

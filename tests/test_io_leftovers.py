@@ -28,8 +28,8 @@ from test_io_save import (
 )
 
 import eqx_lean
-from eqx_lean._io import directory, fs
-from eqx_lean._io.leftovers import Leftovers
+from eqx_lean import Leftovers
+from eqx_lean.internal import directory, fs
 
 
 REPO = Path(__file__).resolve().parent.parent

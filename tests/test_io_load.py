@@ -22,8 +22,14 @@ import safetensors.numpy
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eqx_lean
-from eqx_lean import _core, _io
-from eqx_lean._core import chunk_writes, chunks
+from eqx_lean.internal import (
+    CHUNK_WRITES,
+    WRITES,
+    chunks,
+    io_load,
+    split_layer,
+    stored_layer_count,
+)
 
 
 REPO = Path(__file__).resolve().parent.parent
@@ -71,7 +77,7 @@ def no_allocation(monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("a buffer was allocated")
 
-    monkeypatch.setattr(_io.load, "_allocate", fail)
+    monkeypatch.setattr(io_load, "_allocate", fail)
 
 
 @pytest.fixture(params=[True, False], ids=["host_writes", "compiled_writes"])
@@ -80,22 +86,22 @@ def writes(request, monkeypatch):
     platforms'), with pieces small enough that every tensor takes several copies or calls."""
     monkeypatch.setattr(chunks, "HOST_WRITES", request.param)
     monkeypatch.setattr(chunks, "_HOST_PIECE_BYTES", 24)
-    monkeypatch.setattr(_io.load, "_CHUNK_BYTES", 40)
+    monkeypatch.setattr(io_load, "_CHUNK_BYTES", 40)
     return request.param
 
 
 def test_the_layer_index_of_a_tensor_name_is_read_once_for_every_caller():
-    split = _io.names.split_layer
+    split = split_layer
     assert split("model.layers.12.mlp.w", "model.layers.") == (12, ".mlp.w")
     assert split("model.layers.007", "model.layers.") == (7, "")
     assert split("h.3_attn", "h.") == (3, "_attn")  # a template may go on without a dot
     assert split("model.norm.weight", "model.layers.") is None
     assert split("model.layers.x1.w", "model.layers.") is None
     names = ["model.layers.0.w", "model.layers.10.w", "model.layers.4", "model.embed.weight"]
-    assert _io.names.stored_layer_count(names, "model.layers.") == 11
+    assert stored_layer_count(names, "model.layers.") == 11
     # A whole dotted part only: `11x` is not layer 11.
-    assert _io.names.stored_layer_count([*names, "model.layers.11x.w"], "model.layers.") == 11
-    assert _io.names.stored_layer_count(["lm_head.weight"], "model.layers.") == 0
+    assert stored_layer_count([*names, "model.layers.11x.w"], "model.layers.") == 11
+    assert stored_layer_count(["lm_head.weight"], "model.layers.") == 0
 
 
 def test_layers_stored_in_different_dtypes_are_refused_on_either_path(
@@ -336,7 +342,7 @@ def test_like_from_eval_shape_of_a_sharded_build_loads(tmp_path):
         f"""
         import equinox as eqx, jax, jax.numpy as jnp, numpy as np
         import eqx_lean
-        from eqx_lean._core import chunks
+        from eqx_lean.internal import chunks
 
         mesh = jax.make_mesh((8,), ("data",))
         make = lambda key: eqx.nn.MLP(16, 8, width_size=32, depth=2, key=key)
@@ -407,9 +413,9 @@ def test_clear_caches_forgets_the_compiled_chunk_writes_too(tmp_path, monkeypatc
     monkeypatch.setattr(chunks, "HOST_WRITES", False)
     path = save(tmp_path, stored(L))
     eqx_lean.load_stacked(path, like(), NAMES)
-    assert len(chunk_writes._COMPILED) > 0
+    assert len(CHUNK_WRITES) > 0
     eqx_lean.clear_caches()
-    assert len(chunk_writes._COMPILED) == 0 and len(_core.WRITES) == 0
+    assert len(CHUNK_WRITES) == 0 and len(WRITES) == 0
 
 
 def test_compiled_chunk_writes_compile_once_whatever_the_device_count(tmp_path):
@@ -424,7 +430,7 @@ def test_compiled_chunk_writes_compile_once_whatever_the_device_count(tmp_path):
             f"""
             import jax, numpy as np
             import eqx_lean
-            from eqx_lean._core import chunks
+            from eqx_lean.internal import chunks
 
             compiles = []
             jax.monitoring.register_event_duration_secs_listener(
@@ -464,7 +470,7 @@ def _write_big_checkpoint(path: Path, num_layers: int, rows: int, cols: int, voc
 MEMORY_CHILD = """
 import json, sys, jax, jax.numpy as jnp
 import eqx_lean
-from eqx_lean._core import chunks
+from eqx_lean.internal import chunks
 chunks.HOST_WRITES = sys.argv[2] == "host"
 num_layers, rows, cols, vocab = map(int, sys.argv[3:7])
 like = {"w": jax.ShapeDtypeStruct((num_layers, rows, cols), jnp.bfloat16),

@@ -28,7 +28,7 @@ import pytest
 import safetensors.numpy
 
 import eqx_lean
-from eqx_lean._io import directory, fs
+from eqx_lean.internal import directory, fs, is_mount_point
 
 
 REPO = Path(__file__).resolve().parent.parent
@@ -358,7 +358,7 @@ def test_directory_holding_the_working_directory_is_refused(old, monkeypatch):
 
 def test_mount_points_are_refused(old, monkeypatch):
     ckpt, _ = old
-    assert directory.is_mount_point(Path("/"))
+    assert is_mount_point(Path("/"))
     with pytest.raises(ValueError, match=r"'/' is /, a mount point"):
         save("/")
     real = directory._mount_points
@@ -949,7 +949,7 @@ def mistral_config(**overrides):
 
 def random_mistral(config, seed: int):
     """A Mistral of random numpy leaves (no JAX computation; `init` would compile for seconds)."""
-    from eqx_lean.hf._checkpoint import abstract_model
+    from eqx_lean.hf import abstract_model
 
     rng = np.random.default_rng(seed)
     like = abstract_model(config)

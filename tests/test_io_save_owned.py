@@ -30,7 +30,7 @@ from test_io_save import (
 )
 
 import eqx_lean
-from eqx_lean._io import directory, fs
+from eqx_lean.internal import RELISTS, fs
 
 
 OWNED = "must be a regular file \\(or a symbolic link to one\\)"
@@ -198,7 +198,7 @@ def test_a_file_that_never_settles_is_copied_six_times_then_a_warning_names_it(o
         pytest.warns(UserWarning, match=r"README.md in .*ckpt kept changing.*6 copies") as caught,
     ):
         eqx_lean.save_stacked(ckpt, stacked(2, 1), NAMES)
-    assert len(copies) == directory.RELISTS + 1 == 6
+    assert len(copies) == RELISTS + 1 == 6
     assert caught[0].filename == __file__  # the user's call, not eqx_lean's
     assert (ckpt / "README.md").read_text().startswith("# a model\nline\n")
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import eqx_lean
-from eqx_lean._io import snapshot
+from eqx_lean.internal import OPEN_RETRIES, snapshot
 
 
 REPO = Path(__file__).resolve().parents[1]
@@ -104,7 +104,7 @@ def test_a_checkpoint_replaced_at_every_try_is_an_error(tmp_path, monkeypatch):
         r"opened\. It was read whole each time \(never a mix",
     ):
         eqx_lean.load_tensors(path, LIKE, NAMES)
-    assert injected.saves == 1 + snapshot.RETRIES
+    assert injected.saves == 1 + OPEN_RETRIES
     assert _open_fds() == before
 
 

@@ -117,7 +117,7 @@ ALL = (".layers.attn", ".layers.mlp.up", ".layers.mlp.down")
 
 
 def test_module_name_is_the_weight_name_without_weight():
-    from eqx_lean.lora._lora import module_name, module_names
+    from eqx_lean.internal import module_name, module_names
 
     path = (jax.tree_util.GetAttrKey("layers"), jax.tree_util.GetAttrKey("q_proj"))
     seen = []

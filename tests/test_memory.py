@@ -18,10 +18,14 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import eqx_lean
-from eqx_lean import _memory
-from eqx_lean._memory.table import format_bytes
-from eqx_lean.bench._models import Block, BlockConfig
-from eqx_lean.bench._worker import cast_floating
+from eqx_lean.internal import (
+    Block,
+    BlockConfig,
+    cast_floating,
+    eager_dispatches,
+    eager_peak,
+    format_bytes,
+)
 
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -153,7 +157,7 @@ NO_ALLOCATION = textwrap.dedent(
     import equinox as eqx
     import jax, jax.numpy as jnp
     import eqx_lean
-    from eqx_lean._rss import peak_rss_bytes, rss_bytes
+    from eqx_lean.internal import peak_rss_bytes, rss_bytes
 
     keys = jax.random.split(jax.random.key(0), 64)
     jax.block_until_ready(keys)
@@ -192,10 +196,10 @@ def test_estimate_allocates_nothing():
 
 def _eager(fn, n: int, cast_bytes: int = 0) -> int:
     jaxpr = jax.make_jaxpr(fn)(jax.ShapeDtypeStruct((n,), jnp.float32)).jaxpr
-    lowered = _memory.estimates._eager_dispatches(jaxpr, None)  # on the default device
+    lowered = eager_dispatches(jaxpr, None)  # on the default device
     assert len(lowered) == len(jaxpr.eqns)  # every operation here is big enough to compile
     temps = {k: x.compile().memory_analysis().temp_size_in_bytes for k, x in lowered.items()}
-    return _memory.estimates._eager_peak(jaxpr, temps, cast_bytes)
+    return eager_peak(jaxpr, temps, cast_bytes)
 
 
 def test_eager_peak_frees_values_after_their_last_use():

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 import examples.mistral7b.train as train_module
-from eqx_lean._product import _accumulated_product, linear_product
 from eqx_lean.hf import (
     KVCache,
     MistralConfig,
@@ -22,6 +21,7 @@ from eqx_lean.hf import (
     save_hf,
     to_hf_state_dict,
 )
+from eqx_lean.internal import accumulated_product, linear_product
 
 
 torch = pytest.importorskip("torch")
@@ -429,7 +429,7 @@ def test_a_one_row_bfloat16_product_needs_no_float32_copy_either(leading):
     row's values are those of the same row in a larger product."""
     x = jax.ShapeDtypeStruct((*leading, 2048), jnp.bfloat16)
     weight = jax.ShapeDtypeStruct((4096, 2048), jnp.bfloat16)
-    plain = jax.jit(lambda x, w: _accumulated_product(x, w)).lower(x, weight).compile()
+    plain = jax.jit(lambda x, w: accumulated_product(x, w)).lower(x, weight).compile()
     padded = jax.jit(linear_product).lower(x, weight).compile()
     analyses = [plain.memory_analysis(), padded.memory_analysis()]
     assert analyses[0] is not None and analyses[1] is not None

@@ -5,12 +5,11 @@ import json
 import numpy as np
 import pytest
 
-from eqx_lean.hf._data import (
+from eqx_lean.hf import HFTokenizer, load_rows
+from eqx_lean.internal import (
     ByteTokenizer,
-    HFTokenizer,
     batches,
     check_ids,
-    load_rows,
     load_tokenizer,
     pack,
     read_documents,

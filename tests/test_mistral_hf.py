@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
-from eqx_lean.hf import MistralConfig, init, load_hf, save_hf
-from eqx_lean.hf._checkpoint import abstract_model
+from eqx_lean.hf import MistralConfig, abstract_model, init, load_hf, save_hf
 
 
 TINY: dict[str, Any] = dict(

@@ -20,14 +20,26 @@ from safetensors import safe_open
 from test_mistral import CONFIGS, hf_logits, hf_model, max_diff, tokens
 
 import examples.mistral7b.train as train_module
-from eqx_lean._core.writes import _write_slice_donated
-from eqx_lean.hf import MistralConfig, generate, init, load_adapters, load_hf, save_adapters
-from eqx_lean.hf._adapters import TARGETS
-from eqx_lean.hf._checkpoint import _hf_name, abstract_model
-from eqx_lean.hf._finetune import make_lora_step, step_memory
+from eqx_lean.hf import (
+    MistralConfig,
+    abstract_model,
+    generate,
+    init,
+    load_adapters,
+    load_hf,
+    make_lora_step,
+    save_adapters,
+    step_memory,
+)
+from eqx_lean.internal import (
+    LORA_TARGETS,
+    from_peft,
+    hf_name,
+    merged_layer,
+    to_peft,
+    write_slice_donated,
+)
 from eqx_lean.lora import LoraConfig, LoraLinear, add_lora, lora_filter, lora_paths, merge_lora
-from eqx_lean.lora._merge import _merged_layer
-from eqx_lean.lora._peft import from_peft, to_peft
 
 
 torch = pytest.importorskip("torch")
@@ -35,7 +47,7 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-ALL = list(TARGETS)
+ALL = list(LORA_TARGETS)
 LAYERS = "base_model.model.model.layers"
 
 
@@ -159,7 +171,7 @@ def test_unknown_target_modules_are_refused(targets):
     config = from_peft(dict(to_peft(LoraConfig()), target_modules=targets))
     model = abstract_model(MistralConfig(**CONFIGS["gqa"]))
     with pytest.raises(ValueError, match="`target_modules` must"):
-        add_lora(model, config, key=jax.random.key(0), names=_hf_name)
+        add_lora(model, config, key=jax.random.key(0), names=hf_name)
 
 
 def test_tensors_the_config_does_not_name_are_refused(tmp_path):
@@ -192,7 +204,7 @@ def test_fresh_adapters_init_as_peft_and_leave_logits_unchanged(tmp_path):
     assert q_proj.base.weight is model.layers.self_attn.q_proj.weight  # shared, not copied
     # kaiming_uniform_(a=sqrt(5)) on A = [r, in]: uniform on +-1/sqrt(in), std 1/sqrt(3 in).
     scaled = []
-    for target, (_, where) in TARGETS.items():
+    for target, (_, where) in LORA_TARGETS.items():
         layer = where(lora.layers)
         assert isinstance(layer, LoraLinear), target
         _, out_features, in_features = where(model.layers).weight.shape
@@ -329,7 +341,7 @@ def _torch_lora_grads(wrapped) -> dict[str, np.ndarray]:
 
 def _our_grads(grads, num_layers: int) -> dict[str, np.ndarray]:
     out = {}
-    for path, where in TARGETS.values():
+    for path, where in LORA_TARGETS.values():
         layer = where(grads.layers)
         if not isinstance(layer, LoraLinear):
             continue
@@ -438,10 +450,10 @@ def test_merge_writes_each_layer_in_place():
     index = jax.ShapeDtypeStruct((), jnp.int32)
     scale = jax.ShapeDtypeStruct((), jnp.float32)
     read = (
-        _merged_layer.lower(weight, a, b, scale, index, bit_reads=True).compile().memory_analysis()
+        merged_layer.lower(weight, a, b, scale, index, bit_reads=True).compile().memory_analysis()
     )
     layer = jax.ShapeDtypeStruct((out_features, in_features), jnp.bfloat16)
-    write = _write_slice_donated.lower(weight, layer, index, bit_writes=True)
+    write = write_slice_donated.lower(weight, layer, index, bit_writes=True)
     write = write.compile().memory_analysis()
     assert read is not None and write is not None
     layer_f32 = out_features * in_features * 4

@@ -20,20 +20,24 @@ import pytest
 from test_mistral import TINY, forward, hf_logits, hf_model, max_diff, tokens
 from test_mistral_lora import fresh_hf
 
-from eqx_lean.hf import MistralConfig, load_adapters, load_hf, save_hf
-from eqx_lean.hf._adapters import TARGETS
-from eqx_lean.hf._checkpoint import _hf_name, abstract_model
+from eqx_lean.hf import MistralConfig, abstract_model, load_adapters, load_hf, save_hf
+from eqx_lean.internal import (
+    LORA_TARGETS,
+    PEFT_FIELDS,
+    from_peft,
+    hf_name,
+    lora_sites,
+    parse_adapter_config,
+    to_peft,
+)
 from eqx_lean.lora import LoraConfig, add_lora
-from eqx_lean.lora._lora import lora_sites
-from eqx_lean.lora._peft import from_peft, parse_adapter_config, to_peft
-from eqx_lean.lora._peft_fields import FIELDS
 
 
 torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
 
 SMALL: dict[str, Any] = dict(TINY, hidden_size=32, intermediate_size=64)  # head_dim 8
-ALL = list(TARGETS)
+ALL = list(LORA_TARGETS)
 FILE = "adapters/adapter_config.json"  # a name for messages: parsing reads no file
 
 
@@ -114,7 +118,7 @@ def _default(field: dataclasses.Field):
 def test_the_field_table_is_installed_peft_lora_config():
     """Fails when a PEFT upgrade adds, removes, renames or changes the default of a field."""
     installed = [(f.name, _default(f)) for f in dataclasses.fields(peft.LoraConfig)]
-    table = [(name, field.default) for name, field in FIELDS.items()]
+    table = [(name, field.default) for name, field in PEFT_FIELDS.items()]
     assert table == installed
     assert [type(d) for _, d in table] == [type(d) for _, d in installed]
 
@@ -123,7 +127,7 @@ def test_a_config_peft_writes_with_its_defaults_loads(tmp_path):
     config = peft.LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "down_proj"])
     config.save_pretrained(tmp_path)
     file = tmp_path / "adapter_config.json"
-    assert set(json.loads(file.read_text())) <= set(FIELDS)
+    assert set(json.loads(file.read_text())) <= set(PEFT_FIELDS)
     loaded = parse_adapter_config(file.read_bytes(), str(file))
     assert loaded == LoraConfig(r=4, lora_alpha=16, target_modules=("q_proj", "down_proj"))
 
@@ -134,14 +138,16 @@ def _other_than(default):
     return {"null": "something", '"none"': "all"}.get(json.dumps(default), {"x": 1})
 
 
-MUST_BE_DEFAULT = [name for name, field in FIELDS.items() if field.accepts is None]
+MUST_BE_DEFAULT = [name for name, field in PEFT_FIELDS.items() if field.accepts is None]
 
 
 @pytest.mark.parametrize("name", MUST_BE_DEFAULT)
 def test_fields_not_implemented_must_hold_their_default(name):
-    config = dict(to_peft(LoraConfig()), **{name: _other_than(FIELDS[name].default)})
+    config = dict(to_peft(LoraConfig()), **{name: _other_than(PEFT_FIELDS[name].default)})
     message = refusal(config)
-    assert f"adapter config field `{name}` must be {json.dumps(FIELDS[name].default)}" in message
+    assert (
+        f"adapter config field `{name}` must be {json.dumps(PEFT_FIELDS[name].default)}" in message
+    )
     assert FILE in message
 
 
@@ -235,7 +241,7 @@ TARGET_FORMS = [
 def adapted(targets) -> dict:
     config = from_peft(dict(to_peft(LoraConfig()), target_modules=targets))
     base = abstract_model(MistralConfig(**dict(SMALL, num_hidden_layers=3)))
-    model = add_lora(base, config, key=jax.random.key(0), names=_hf_name)
+    model = add_lora(base, config, key=jax.random.key(0), names=hf_name)
     return {path: layer.layers for path, layer in lora_sites(model)}
 
 

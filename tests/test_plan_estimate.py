@@ -11,8 +11,7 @@ import pytest
 from jax.sharding import SingleDeviceSharding
 
 import eqx_lean
-import eqx_lean._io.load
-from eqx_lean._core import chunk_plan, chunks as core_chunks
+from eqx_lean.internal import BufferPlan, chunks, io_load, lower_chunk_write, plan_chunks
 from eqx_lean.memory import target
 
 
@@ -125,7 +124,7 @@ def test_plan_load_on_cpu_writes_on_the_host(saved, monkeypatch):
     def no_reads(*args, **kwargs):
         raise AssertionError("a plan reads only the checkpoint's headers")
 
-    monkeypatch.setattr(eqx_lean._io.load, "Maps", no_reads)
+    monkeypatch.setattr(io_load, "Maps", no_reads)
     plan = eqx_lean.memory.plan_load(path, like, _names, target="cpu", dtype=jnp.bfloat16)
     loaded = (_WEIGHT + _BIAS) * 2
     assert (plan.platform, plan.num_devices) == ("cpu", 1)
@@ -138,18 +137,18 @@ def test_plan_load_on_cpu_writes_on_the_host(saved, monkeypatch):
 
 def test_plan_load_on_cpu_with_compiled_writes(saved, monkeypatch):
     path, like = saved
-    monkeypatch.setattr(core_chunks, "HOST_WRITES", False)
+    monkeypatch.setattr(chunks, "HOST_WRITES", False)
     plan = eqx_lean.memory.plan_load(path, like, _names, target="cpu", dtype=jnp.bfloat16)
     # The same write, planned and compiled here: one group, one call per layer.
     device = SingleDeviceSharding(jax.devices("cpu")[0])
-    plans = [
-        chunk_plan.BufferPlan(
+    targets = [
+        BufferPlan(
             jax.ShapeDtypeStruct((4, *shape), jnp.bfloat16), device, True, np.dtype("float32")
         )
         for shape in [(128,), (128, 64)]  # `like`'s leaf order: bias, weight
     ]
-    (group,) = core_chunks.plan_chunks(plans, 4 * 2**20)
-    stats = core_chunks.lower_chunk_write(group).compile().memory_analysis()
+    (group,) = plan_chunks(targets, 4 * 2**20)
+    stats = lower_chunk_write(group).compile().memory_analysis()
     assert stats is not None
     temp = stats.temp_size_in_bytes
     values = 2 * (128 + 128 * 64) * 4  # two calls' float32 values of one layer

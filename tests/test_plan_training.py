@@ -232,16 +232,16 @@ def test_fit_none_fits():
     ],
 )
 def test_fit_search_on_an_affine_peak(fixed, per_row, memory, expected, compiles):
-    # `_fit_one` (a seam: the search without XLA) on a peak known exactly.
+    # `fit_one` (the search alone, without XLA) on a peak known exactly.
     from types import SimpleNamespace
 
-    from eqx_lean._memory.training import _fit_one
+    from eqx_lean.internal import fit_one
 
     def plan_at(batch):
         peak = fixed + per_row * batch
         return SimpleNamespace(peak=peak, fits=peak <= memory, device_memory=memory)
 
-    result = _fit_one(plan_at, 8, 1024, None)  # pyright: ignore[reportArgumentType]
+    result = fit_one(plan_at, 8, 1024, None)  # pyright: ignore[reportArgumentType]
     assert (result.batch_size, result.compiles) == (expected, compiles), result.tried
     # Whatever the order of the tries, the answer is the boundary by brute force.
     brute = max((b for b in range(8, 1025, 8) if fixed + per_row * b <= memory), default=0)
@@ -251,7 +251,7 @@ def test_fit_search_on_an_affine_peak(fixed, per_row, memory, expected, compiles
 def test_fit_search_on_a_convex_peak():
     from types import SimpleNamespace
 
-    from eqx_lean._memory.training import _fit_one
+    from eqx_lean.internal import fit_one
 
     memory = 4 * 2**20
 
@@ -263,7 +263,7 @@ def test_fit_search_on_a_convex_peak():
             peak=peak_of(batch), fits=peak_of(batch) <= memory, device_memory=memory
         )
 
-    result = _fit_one(plan_at, 4, 4096, True)  # pyright: ignore[reportArgumentType]
+    result = fit_one(plan_at, 4, 4096, True)  # pyright: ignore[reportArgumentType]
     brute = max(b for b in range(4, 4097, 4) if peak_of(b) <= memory)
     assert result.batch_size == brute
     assert result.compiles <= 6, result.tried  # 6 measured: m, 2m, then 4 secants

@@ -13,7 +13,16 @@ import numpy as np
 import pytest
 
 import eqx_lean
-from eqx_lean import _core, _platform
+from eqx_lean.internal import (
+    ZERO_COPY_ALIGNMENT,
+    Tricks,
+    host_zeros,
+    layers_per_call,
+    lower_writes,
+    plan_build,
+    platform_tricks,
+    release_freed_host_memory,
+)
 
 
 def make_draws(key):
@@ -24,19 +33,19 @@ def make_draws(key):
 KEYS = jax.random.split(jax.random.key(0), 4)
 
 
-def lowered_texts(platform: str, tricks: _platform.Tricks) -> list[str]:
-    plan = _core.plan_build(make_draws, KEYS, jnp.bfloat16)
-    lowered = _core.lower_writes(plan, tricks=tricks, lowering_platforms=(platform,))
+def lowered_texts(platform: str, tricks: Tricks) -> list[str]:
+    plan = plan_build(make_draws, KEYS, jnp.bfloat16)
+    lowered = lower_writes(plan, tricks=tricks, lowering_platforms=(platform,))
     return [x.as_text() for x in lowered]
 
 
 @pytest.mark.parametrize("platform", ["cpu", "gpu", "cuda", "rocm", "tpu"])
 def test_the_decisions(platform):
-    tricks = _platform.Tricks.for_platform(platform)
+    tricks = Tricks.for_platform(platform)
     on_cpu = platform == "cpu"
     assert tricks.fused_threefry == tricks.licm_off == tricks.bit_writes == on_cpu
     assert tricks.layer_runs == on_cpu
-    assert tricks.trim_host_heap == (on_cpu and _platform._malloc_trim() is not None)
+    assert tricks.trim_host_heap == (on_cpu and platform_tricks._malloc_trim() is not None)
     expected = {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"} if on_cpu else {}
     assert tricks.compiler_options() == expected
 
@@ -45,15 +54,15 @@ def test_the_decisions(platform):
 def test_writes_for_accelerators_keep_jax_s_own_lowering(platform):
     # JAX lowers Threefry unrolled there; the override would add loops for key arithmetic, and
     # one layer is written per call, without a loop.
-    for text in lowered_texts(platform, _platform.Tricks.for_platform(platform)):
+    for text in lowered_texts(platform, Tricks.for_platform(platform)):
         assert "stablehlo.while" not in text
         assert "xui16>" not in text  # no bit writes
-    overridden = lowered_texts(platform, _platform.Tricks.for_platform("cpu"))
+    overridden = lowered_texts(platform, Tricks.for_platform("cpu"))
     assert all("stablehlo.while" in text for text in overridden)
 
 
 def test_writes_for_cpu_are_fused_and_move_bits():
-    cpu = _platform.Tricks.for_platform("cpu")
+    cpu = Tricks.for_platform("cpu")
     fused = lowered_texts("cpu", cpu)
     jax_lowering = lowered_texts("cpu", dataclasses.replace(cpu, fused_threefry=False))
     # JAX's CPU lowering is a rolled loop per draw; fused, only key arithmetic keeps its loop.
@@ -77,18 +86,18 @@ def test_scan_barrier_is_lowered_for_cpu_only():
 
 def test_malloc_trim_runs_only_when_the_tricks_say(monkeypatch):
     calls = []
-    monkeypatch.setattr(_platform, "_malloc_trim", lambda: calls.append)
-    _platform.release_freed_host_memory(_platform.Tricks(trim_host_heap=False))
+    monkeypatch.setattr(platform_tricks, "_malloc_trim", lambda: calls.append)
+    release_freed_host_memory(Tricks(trim_host_heap=False))
     assert calls == []
-    _platform.release_freed_host_memory(_platform.Tricks(trim_host_heap=True))
+    release_freed_host_memory(Tricks(trim_host_heap=True))
     assert calls == [0]
 
 
 def test_off_cpu_each_call_writes_one_layer(monkeypatch):
-    plan = _core.plan_build(make_draws, KEYS, jnp.bfloat16)
-    assert _core.layers_per_call(plan) == 4
-    monkeypatch.setattr(_platform, "platform_of", lambda shardings: "gpu")
-    assert _core.layers_per_call(plan) == 1
+    plan = plan_build(make_draws, KEYS, jnp.bfloat16)
+    assert layers_per_call(plan) == 4
+    monkeypatch.setattr(platform_tricks, "platform_of", lambda shardings: "gpu")
+    assert layers_per_call(plan) == 1
 
 
 def donation_is_in_place(array: jax.Array) -> bool:
@@ -106,7 +115,7 @@ def test_host_zeros_are_owned_by_xla_so_a_donation_reuses_them(dtype, device):
     # four, found flaky in CI); XLA then cannot reuse it and a donation copies. Many sizes, so
     # that both alignments of NumPy's allocation come up.
     for rows in range(1, 40):
-        zeros = _platform.host_zeros((rows, 3), dtype, device)
+        zeros = host_zeros((rows, 3), dtype, device)
         assert zeros.shape == (rows, 3)
         assert zeros.dtype == jax.dtypes.canonicalize_dtype(dtype)
         assert zeros.committed == (device is not None)
@@ -116,8 +125,8 @@ def test_host_zeros_are_owned_by_xla_so_a_donation_reuses_them(dtype, device):
 def test_host_zeros_copy_what_device_put_aliased(monkeypatch):
     # Force the aligned offset at which `device_put` aliases NumPy's memory: the alias is seen
     # and copied into XLA's own buffer.
-    aligned = lambda address, itemsize: -address % _platform.ZERO_COPY_ALIGNMENT  # noqa: E731
-    monkeypatch.setattr(_platform, "_misaligned_offset", aligned)
+    aligned = lambda address, itemsize: -address % ZERO_COPY_ALIGNMENT  # noqa: E731
+    monkeypatch.setattr(platform_tricks, "_misaligned_offset", aligned)
     put = jax.device_put
     aliased = []
 
@@ -129,5 +138,5 @@ def test_host_zeros_copy_what_device_put_aliased(monkeypatch):
 
     monkeypatch.setattr(jax, "device_put", spy)
     for rows in range(1, 20):
-        assert donation_is_in_place(_platform.host_zeros((rows, 3), jnp.float32, None)), rows
+        assert donation_is_in_place(host_zeros((rows, 3), jnp.float32, None)), rows
     assert aliased and all(aliased)

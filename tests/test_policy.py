@@ -27,10 +27,18 @@ import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 import eqx_lean
-from eqx_lean import _core
 
 # `make_wide` is `make_small` with a 16 MiB float32 matrix: big enough for temp bounds to bite.
-from eqx_lean.bench._models import Block, BlockConfig, wide_layer as make_wide
+from eqx_lean.internal import (
+    Block,
+    BlockConfig,
+    compile_writes,
+    constrain,
+    memory_analysis,
+    plan_build,
+    wide_layer as make_wide,
+    write_temp_bytes,
+)
 
 
 # --- layers under test ------------------------------------------------------------------------
@@ -174,12 +182,12 @@ def _write_memory(
     make_layer: Callable, keys: Any, dtype: Any, sharding: Any, specs: ExpectedSpecs, mesh: Mesh
 ) -> dict[str, Any]:
     """Per-device `memory_analysis` of each compiled per-layer write, beside what it must be."""
-    plan = _core.plan_build(make_layer, keys, dtype, sharding, None)
-    compiled = _core.compile_writes(plan)
+    plan = plan_build(make_layer, keys, dtype, sharding, None)
+    compiled = compile_writes(plan)
     layer_bytes = sum(s.size * s.dtype.itemsize for s in plan.layout.structs)
     groups = []
     for group, executable in zip(plan.groups, compiled, strict=True):
-        analysis = _core.memory_analysis(executable)
+        analysis = memory_analysis(executable)
         shard_bytes = 0
         for j in group.leaves:
             struct = plan.structs[j]
@@ -344,8 +352,8 @@ def _memory_checks(results: dict[str, Any], slow: bool) -> None:
                 make_layer, keys, jnp.bfloat16, eqx_lean.fsdp(mesh), fsdp_specs(table, 8), mesh
             )
     # The same writes unsharded (one device), to compare per-device temporaries against.
-    results["memory/wide/unsharded-temp"] = _core.write_temp_bytes(
-        _core.plan_build(make_wide, keys, jnp.bfloat16)
+    results["memory/wide/unsharded-temp"] = write_temp_bytes(
+        plan_build(make_wide, keys, jnp.bfloat16)
     )
 
 
@@ -864,23 +872,21 @@ def test_fsdp_on_one_device_replicates(one_device_mesh):
 
 def test_constrain_reshards_on_explicit_axes_and_constrains_on_auto_ones(one_device_mesh):
     x = jnp.arange(8.0)
-    assert _core.constrain(x, None) is x
+    assert constrain(x, None) is x
 
     def only_equation(fn: Callable) -> tuple[str, dict[str, Any]]:
         (eqn,) = jax.make_jaxpr(fn)(x).eqns
         return eqn.primitive.name, eqn.params
 
     explicit_mesh = jax.make_mesh((1,), ("data",), (AxisType.Explicit,), devices=jax.devices()[:1])
-    name, params = only_equation(
-        lambda x: _core.constrain(x, NamedSharding(explicit_mesh, P("data")))
-    )
+    name, params = only_equation(lambda x: constrain(x, NamedSharding(explicit_mesh, P("data"))))
     assert (name, params["dst_sharding"].spec) == ("reshard", P("data"))
     auto = NamedSharding(one_device_mesh, P("data"))
-    name, params = only_equation(lambda x: _core.constrain(x, auto))
+    name, params = only_equation(lambda x: constrain(x, auto))
     assert (name, params["sharding"]) == ("sharding_constraint", auto)
     # Inside `auto_axes` only the spec is given: the sharding is the context's (abstract) mesh's.
     with jax.set_mesh(one_device_mesh):
-        name, params = only_equation(lambda x: _core.constrain(x, auto, inside_auto_axes=True))
+        name, params = only_equation(lambda x: constrain(x, auto, inside_auto_axes=True))
     assert (name, params["sharding"].spec) == ("sharding_constraint", P("data"))
     assert params["sharding"] != auto
 

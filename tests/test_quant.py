@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 import eqx_lean
+from eqx_lean.internal import DYNAMIC8, NF4
 from eqx_lean.quant import QuantizedArray, quantize
-from eqx_lean.quant._codebooks import DYNAMIC8, NF4
 
 
 torch = pytest.importorskip("torch")
@@ -154,7 +154,7 @@ def test_public():
 
 
 def test_divide_exactly_is_one_rounding():
-    from eqx_lean.quant._ops import divide_exactly
+    from eqx_lean.internal import divide_exactly
 
     rng = np.random.default_rng(0)
     x = rng.standard_normal((1000, 512)).astype(np.float32)
@@ -207,7 +207,7 @@ def _dynamic_map_probes() -> np.ndarray:
 
 
 def test_dynamic_map_codes_are_bitsandbytes():
-    from eqx_lean.quant._dynamic8 import dynamic8_decode, dynamic8_encode
+    from eqx_lean.internal import dynamic8_decode, dynamic8_encode
 
     values = _dynamic_map_probes()
     codes, absmax = jax.jit(dynamic8_encode, static_argnums=1)(jnp.asarray(values), 256)
@@ -251,20 +251,21 @@ def test_nf4_double_quantisation_is_bitsandbytes(shape):
     absmax = np.asarray(single.scales)
     their_codes, their_absmax = _bnb_blockwise(absmax - state.offset.numpy())
     np.testing.assert_array_equal(state.absmax.numpy(), their_codes)
-    from eqx_lean.quant._dynamic8 import dynamic8_encode
+    from eqx_lean.internal import dynamic8_encode
 
     codes, absmax2 = dynamic8_encode(jnp.asarray(absmax - state.offset.numpy()), 256)
     np.testing.assert_array_equal(np.asarray(codes), their_codes)
     np.testing.assert_array_equal(np.asarray(absmax2), state.state2.absmax.numpy())
     # Decoding the stored form is bitsandbytes' dequantize_4bit, bit for bit, from its state.
-    from eqx_lean.quant._array import DoubleQuantizedScales, _bits
+    from eqx_lean.internal import float32_bits
+    from eqx_lean.quant import DoubleQuantizedScales
 
     theirs = eqx_lean.quant.QuantizedArray(
         jnp.asarray(packed.reshape(-1).numpy()),
         DoubleQuantizedScales(
             jnp.asarray(state.absmax.numpy()),
-            _bits(jnp.asarray(state.state2.absmax.numpy())),
-            _bits(jnp.asarray(state.offset.numpy())),
+            float32_bits(jnp.asarray(state.state2.absmax.numpy())),
+            float32_bits(jnp.asarray(state.offset.numpy())),
         ),
         shape,
         "nf4",
@@ -298,7 +299,7 @@ def test_quantized_array_is_not_an_array():
 
 
 def test_widen_exactly_reads_the_stored_values():
-    from eqx_lean.quant._ops import widen_exactly
+    from eqx_lean.internal import widen_exactly
 
     bits = np.arange(2**16, dtype=np.uint16)
     for dtype in (jnp.bfloat16, jnp.float16):

@@ -63,9 +63,9 @@ def _bnb_model(path, double_quant: bool = False, dtype=None):
     "config", [QuantConfig(), QuantConfig(double_quant=True), QuantConfig("int8")], ids=str
 )
 def test_quantised_load_equals_quantising_the_loaded_model(checkpoint, config, monkeypatch):
-    from eqx_lean.quant import _load
+    from eqx_lean.internal import quant_load
 
-    monkeypatch.setattr(_load, "_CHUNK_VALUES", 100)  # many chunks per tensor
+    monkeypatch.setattr(quant_load, "_CHUNK_VALUES", 100)  # many chunks per tensor
     got = load_hf(checkpoint, dtype=jnp.bfloat16, quantize=config)
     want = quantize_linears(load_hf(checkpoint, dtype=jnp.bfloat16), config)
     assert isinstance(got.layers.mlp.up_proj, QuantizedLinear)

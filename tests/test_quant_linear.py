@@ -10,13 +10,12 @@ import numpy as np
 import pytest
 
 import eqx_lean
-from eqx_lean._product import linear_product
+from eqx_lean.internal import linear_product, quant_product, quantized_product, rows_per_chunk
 from eqx_lean.lora import LoraConfig, add_lora, lora_filter, merge_lora
 from eqx_lean.quant import (
     QuantConfig,
     QuantizedArray,
     QuantizedLinear,
-    _product as quant_product,
     dequantized_linear,
     quantize,
     quantize_linears,
@@ -213,12 +212,12 @@ def test_a_product_decoded_in_row_slices_equals_the_whole_one(
     monkeypatch.setattr(quant_product, "CHUNK_VALUES", 1024)
     w = jax.random.normal(jax.random.key(5), (96, 64), jnp.float32).astype(dtype)
     q = quantize(w, scheme, double_quant=double_quant)
-    assert quant_product.rows_per_chunk(q) == 16  # 16 x 64 values a slice, 6 slices
+    assert rows_per_chunk(q) == 16  # 16 x 64 values a slice, 6 slices
     x = jax.random.normal(jax.random.key(6), (3, 5, 64), jnp.float32).astype(dtype)
-    lowered = jax.jit(quant_product.quantized_product).lower(x, q).as_text()
+    lowered = jax.jit(quantized_product).lower(x, q).as_text()
     assert "while" in lowered  # the slices are a loop, on CPU
     with jax.default_matmul_precision("highest"):
-        got = np.asarray(jax.jit(quant_product.quantized_product)(x, q), np.float32)
+        got = np.asarray(jax.jit(quantized_product)(x, q), np.float32)
         want = np.asarray(jax.jit(_whole_product)(x, q), np.float32)
         if dtype == jnp.bfloat16:  # the float32 sums round to the same bfloat16
             np.testing.assert_array_equal(got, want)
@@ -230,7 +229,7 @@ def test_a_product_decoded_in_row_slices_equals_the_whole_one(
         def loss(product):
             return jax.grad(lambda x: jnp.sum(product(x, q).astype(jnp.float32) ** 2))
 
-        got_grad = jax.jit(loss(quant_product.quantized_product))(x)
+        got_grad = jax.jit(loss(quantized_product))(x)
         want_grad = jax.jit(loss(_whole_product))(x)
     assert got_grad.dtype == x.dtype
     np.testing.assert_array_equal(
@@ -241,7 +240,7 @@ def test_a_product_decoded_in_row_slices_equals_the_whole_one(
 def test_slices_are_whole_blocks_and_rows_or_none():
     def rows(shape, scheme: Literal["nf4", "int8"] = "nf4"):
         weight = jax.eval_shape(lambda: quantize(jnp.zeros(shape, jnp.bfloat16), scheme))
-        return quant_product.rows_per_chunk(weight)
+        return rows_per_chunk(weight)
 
     assert rows((14336, 4096)) == 256  # 1 Mi values
     assert rows((4096, 14336)) == 64
@@ -263,4 +262,4 @@ def test_an_evaluated_product_never_holds_the_whole_decoded_weight():
 
     decoded = 4096 * 14336 * 2
     assert temp_bytes(_whole_product) >= decoded
-    assert temp_bytes(quant_product.quantized_product) <= decoded / 16
+    assert temp_bytes(quantized_product) <= decoded / 16

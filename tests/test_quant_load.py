@@ -16,7 +16,8 @@ import pytest
 from safetensors.numpy import save_file
 
 import eqx_lean
-from eqx_lean.quant import QuantConfig, QuantizedLinear, _load, quantize_linears
+from eqx_lean.internal import quant_load
+from eqx_lean.quant import QuantConfig, QuantizedLinear, quantize_linears
 
 
 REPO = Path(__file__).resolve().parents[1]
@@ -104,7 +105,7 @@ CONFIGS = [
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c.scheme}-dq{c.double_quant}")
 def test_load_tensors_quantised_equals_quantising_the_plain_load(checkpoint, config, monkeypatch):
-    monkeypatch.setattr(_load, "_CHUNK_VALUES", 100)  # many chunks per tensor
+    monkeypatch.setattr(quant_load, "_CHUNK_VALUES", 100)  # many chunks per tensor
     kwargs = dict(dtype=jnp.bfloat16, layers=range(1, 5), strict=False)
     got = eqx_lean.load_tensors(checkpoint, like(), names, quantize=config, **kwargs)
     plain = eqx_lean.load_tensors(checkpoint, like(), names, **kwargs)
@@ -193,7 +194,7 @@ def test_quantised_load_errors(checkpoint):
 def test_a_failed_quantised_load_raises_before_reading(checkpoint, monkeypatch):
     """The checks run before any weight is quantised: a bad checkpoint quantises nothing."""
     calls = []
-    monkeypatch.setattr(_load, "_encode", lambda *a, **k: calls.append(a))
+    monkeypatch.setattr(quant_load, "_encode", lambda *a, **k: calls.append(a))
     with pytest.raises(KeyError, match="The checkpoint holds 5 layers"):
         eqx_lean.load_tensors(checkpoint, like(6), names, quantize="nf4")
     assert calls == []

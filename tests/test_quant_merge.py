@@ -14,8 +14,8 @@ from test_mistral_lora import randomized
 from test_quant_hf import CONFIG, PROJECTIONS, _bnb_model
 
 import eqx_lean
-from eqx_lean._io.save import ComputedTensor
 from eqx_lean.hf import load_hf, save_adapters, save_hf
+from eqx_lean.internal import ComputedTensor
 from eqx_lean.lora import LoraConfig, LoraLinear, add_lora, merge_lora
 from eqx_lean.quant import QuantizedLinear, dequantized_linear
 

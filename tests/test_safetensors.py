@@ -14,7 +14,7 @@ import pytest
 import safetensors.numpy
 
 import eqx_lean
-from eqx_lean._io import safetensors as format_
+from eqx_lean.internal import INDEX_FILE, WEIGHTS_FILE, index_name, safetensors_format
 
 
 X = {"x": jax.ShapeDtypeStruct((2,), jnp.float32)}
@@ -28,11 +28,11 @@ def write_checkpoint(directory, index_entry):
 
 
 def test_index_file_names_follow_hugging_face_and_peft():
-    assert (format_.WEIGHTS_FILE, format_.INDEX_FILE) == (
+    assert (WEIGHTS_FILE, INDEX_FILE) == (
         "model.safetensors",
         "model.safetensors.index.json",
     )
-    assert format_.index_name("adapter_model.safetensors") == "adapter_model.safetensors.index.json"
+    assert index_name("adapter_model.safetensors") == "adapter_model.safetensors.index.json"
 
 
 @pytest.mark.parametrize(
@@ -110,7 +110,7 @@ def test_header_length_equal_to_the_file_size_says_what_follows(tmp_path):
 
 
 def test_header_longer_than_the_format_allows_is_refused(tmp_path, monkeypatch):
-    monkeypatch.setattr(format_, "_MAX_HEADER_BYTES", 16)
+    monkeypatch.setattr(safetensors_format, "_MAX_HEADER_BYTES", 16)
     file = tmp_path / "big.safetensors"
     raw = json.dumps({"x": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}).encode()
     raw += b" " * (-len(raw) % 8)

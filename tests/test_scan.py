@@ -12,8 +12,7 @@ import pytest
 from jaxtyping import Array, PRNGKeyArray
 
 import eqx_lean
-from eqx_lean import _compat
-from eqx_lean._scan import linear_call
+from eqx_lean.internal import has_custom_transpose, without_private_jax
 
 
 NUM_LAYERS = 6
@@ -225,10 +224,10 @@ def test_fold_gradients_equal_the_earlier_scan_over_xs(mlp, remat):
     # The public fallback (the earlier path: `lax.scan` over the stack as `xs`) and the
     # hand-written backward pass give the same values, those of the loop.
     stacked, x, expected = mlp
-    with _compat.without_private_jax():
-        assert not linear_call.has_custom_transpose()
+    with without_private_jax():
+        assert not has_custom_transpose()
         earlier = value_and_grads_of(lambda s, x: eqx_lean.fold(s, x, remat=remat), stacked, x)
-    assert linear_call.has_custom_transpose()
+    assert has_custom_transpose()
     found = value_and_grads_of(lambda s, x: eqx_lean.fold(s, x, remat=remat), stacked, x)
     assert_close(earlier, expected)
     assert_close(found, earlier)
@@ -977,7 +976,7 @@ def test_gradient_through_a_vmapped_fold_matches_the_loop(mlp, remat):
         return analysis.temp_size_in_bytes
 
     with_index_loops = temps(vmapped)
-    with _compat.without_private_jax():
+    with without_private_jax():
         jax_s_own = temps(vmapped)
     assert with_index_loops <= jax_s_own
 

@@ -9,8 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eqx_lean import _compat
-from eqx_lean._scan import linear_call
+from eqx_lean.internal import (
+    has_custom_transpose,
+    linear_call_with_transpose,
+    without_private_jax,
+)
 
 
 def assert_close(found, expected):
@@ -37,9 +40,7 @@ def twice_scale_transposed(r, ct):
 def loss_with(transpose):
     def loss(x):
         r = jnp.cos(x)  # a residual that depends on `x` (not differentiated through here)
-        (y,) = linear_call.linear_call_with_transpose(
-            scale, transpose, [jax.lax.stop_gradient(r)], [x], [x]
-        )
+        (y,) = linear_call_with_transpose(scale, transpose, [jax.lax.stop_gradient(r)], [x], [x])
         return jnp.sum(jnp.sin(y))
 
     return loss
@@ -54,7 +55,7 @@ XS = jnp.stack([X, 0.5 * X])
 
 
 def test_reverse_mode_runs_the_custom_transpose():
-    assert linear_call.has_custom_transpose()
+    assert has_custom_transpose()
     loss = loss_with(twice_scale_transposed)
     assert_close(jax.grad(loss)(X), 2 * jax.grad(reference)(X))
     assert_close(jax.jit(jax.grad(loss))(X), 2 * jax.grad(reference)(X))
@@ -70,16 +71,16 @@ def test_forward_mode_runs_the_function():
 
 
 def test_fallback_derives_the_transpose_from_the_function():
-    with _compat.without_private_jax():
-        assert not linear_call.has_custom_transpose()
+    with without_private_jax():
+        assert not has_custom_transpose()
         loss = loss_with(twice_scale_transposed)
         assert_close(jax.grad(loss)(X), jax.grad(reference)(X))
-    assert linear_call.has_custom_transpose()
+    assert has_custom_transpose()
 
 
 def nonlinear_loss(x):
     # The residual is differentiated too: second-order forward mode differentiates `scale`.
-    (y,) = linear_call.linear_call_with_transpose(scale, scale_transposed, [jnp.cos(x)], [x], [x])
+    (y,) = linear_call_with_transpose(scale, scale_transposed, [jnp.cos(x)], [x], [x])
     return jnp.sum(jnp.sin(y))
 
 
@@ -120,9 +121,7 @@ def test_batching_keeps_unbatched_outputs_unbatched():
     def summed_jvp(primals, tangents):
         (x,), (t,) = primals, tangents
         out = summed(x)
-        (t_out,) = linear_call.linear_call_with_transpose(
-            total, total_transposed, [1.0], [t], [out]
-        )
+        (t_out,) = linear_call_with_transpose(total, total_transposed, [1.0], [t], [out])
         return out, t_out
 
     def loss(xs):

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import eqx_lean
-from eqx_lean._memory import targets as targets_module
+from eqx_lean.internal import TPUS, memory_targets, topology_devices
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -98,7 +98,7 @@ def test_tpu_slices(spec, count, kind):
 
 
 @needs_libtpu
-@pytest.mark.parametrize("generation", sorted(targets_module._TPUS))
+@pytest.mark.parametrize("generation", sorted(TPUS))
 def test_tpu_table_matches_xla_refusal(generation):
     """Each generation's usable memory is the figure XLA's own refusal prints."""
     size = {"v2": 8, "v3": 8, "v4": 8, "v5p": 8, "v5e": 4, "v6e": 4}[generation]
@@ -164,9 +164,9 @@ def test_missing_plugin_names_the_extra(monkeypatch):
         raise NotImplementedError("topology not implemented for cuda")
 
     monkeypatch.setattr(topologies, "get_topology_desc", unavailable)
-    monkeypatch.setattr(targets_module, "_cuda_plugin_installed", lambda: False)
+    monkeypatch.setattr(memory_targets, "_cuda_plugin_installed", lambda: False)
     with pytest.raises(ImportError, match=r'pip install "\.\[plan-gpu\]"'):
-        targets_module._topology_devices("cuda", "1x1x3")
+        topology_devices("cuda", "1x1x3")
 
 
 @needs_gpu_plugin
@@ -328,4 +328,4 @@ def test_libtpu_held_by_another_process_says_what_to_set(monkeypatch):
 
     monkeypatch.setattr(topologies, "get_topology_desc", locked)
     with pytest.raises(RuntimeError, match="ALLOW_MULTIPLE_LIBTPU_LOAD=1"):
-        targets_module._topology_devices("tpu", "v5e:2x2")
+        topology_devices("tpu", "v5e:2x2")

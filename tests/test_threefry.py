@@ -9,7 +9,14 @@ import pytest
 from jax.extend.random import threefry2x32_p
 
 import eqx_lean
-from eqx_lean import _compat, _platform, _threefry
+from eqx_lean.internal import (
+    Tricks,
+    can_override_lowering,
+    lower,
+    threefry2x32_rolled,
+    threefry2x32_unrolled,
+    without_private_jax,
+)
 
 
 U32_MAX = 2**32 - 1
@@ -17,13 +24,13 @@ U32_MAX = 2**32 - 1
 
 def fused_lower(traced: Any) -> Any:
     """Lowers with the unrolled Threefry, as `build_stacked` lowers its CPU writes."""
-    return _platform.lower(traced, _platform.Tricks(fused_threefry=True))
+    return lower(traced, Tricks(fused_threefry=True))
 
 
 def test_the_override_is_available_on_this_jax():
     # Without it the library still works, but every draw in `build_stacked` needs 4 x its size
     # in temporaries on CPU again: a JAX that drops the hook must fail here, not silently.
-    assert _compat.can_override_lowering()
+    assert can_override_lowering()
 
 
 # Random123's known-answer vectors for Threefry-2x32 with 20 rounds, as in JAX's own tests:
@@ -38,13 +45,13 @@ KNOWN_ANSWERS = [
 @pytest.mark.parametrize("key, counter, expected", KNOWN_ANSWERS)
 def test_hash_gives_the_reference_implementations_answers(key, counter, expected):
     k1, k2, x1, x2 = (jnp.asarray([v], jnp.uint32) for v in (*key, *counter))
-    words = jax.jit(_threefry.threefry2x32_unrolled)(k1, k2, x1, x2)
+    words = jax.jit(threefry2x32_unrolled)(k1, k2, x1, x2)
     assert tuple(int(w[0]) for w in words) == expected
 
 
 @pytest.mark.parametrize(
     "hash_fn",
-    [_threefry.threefry2x32_unrolled, _threefry._threefry2x32_rolled],
+    [threefry2x32_unrolled, threefry2x32_rolled],
     ids=["unrolled", "rolled"],
 )
 def test_hash_matches_jax_own_primitive(hash_fn):
@@ -154,8 +161,8 @@ def test_without_the_override_the_build_is_the_same():
     """A JAX without the lowering hook gets JAX's own lowering: more temporaries, same values."""
     keys = jax.random.split(jax.random.key(5), 3)
     fused = eqx_lean.build_stacked(every_draw, keys, jnp.bfloat16)
-    with _compat.without_private_jax():
-        assert not _compat.can_override_lowering()
+    with without_private_jax():
+        assert not can_override_lowering()
         plain = eqx_lean.build_stacked(every_draw, keys, jnp.bfloat16)
     for a, b in zip(jax.tree.leaves(fused), jax.tree.leaves(plain), strict=True):
         assert a.dtype == b.dtype

@@ -16,10 +16,10 @@ seam, marked `# Test seam:` where it is defined).
 from .._core import (
     WRITES as WRITES,
     BuildPlan as BuildPlan,
-    Group as Group,
+    WriteGroup as WriteGroup,
     compile_writes as compile_writes,
     constrain as constrain,
-    fill_traced as fill_traced,
+    build_in_trace as build_in_trace,
     layers_per_call as layers_per_call,
     lower_writes as lower_writes,
     memory_analysis as memory_analysis,
@@ -48,14 +48,14 @@ from .._core.program import (
 
 # --- Chunked writes of loads (`_core.chunks`, `_core.chunk_plan`, `_core.chunk_writes`) ------
 from .._core import chunks as chunks  # seam module: `HOST_WRITES`, `_HOST_PIECE_BYTES`
-from .._core.chunk_plan import Target as ChunkTarget
+from .._core.chunk_plan import BufferPlan as BufferPlan
 from .._core.chunk_writes import (
     _COMPILED as CHUNK_WRITES,
     ALIGN as CHUNK_ALIGN,
     _call_offsets as call_offsets,
 )
 from .._core.chunks import (
-    allocate_targets as allocate_targets,
+    allocate_buffers as allocate_buffers,
     compile_chunk_writes as compile_chunk_writes,
     fill_chunks as fill_chunks,
     lower_chunk_write as lower_chunk_write,
