@@ -4,7 +4,7 @@
 function object, which would freeze the Python state `make_layer` reads) and looks its compiled
 writes up by the traced program's content. This prints, for a block of each preset:
 
-- the time to trace one block (`eqx_lean._core.trace_layer`), median of 20;
+- the time to trace one block (`eqx_lean.internal.trace_layer`), median of 20;
 - the time of a first `build_stacked` (compiles its writes), and of a second one with a fresh
   `lambda` of the same content (compiles nothing), side by side in one process.
 
@@ -19,8 +19,7 @@ import jax
 import jax.numpy as jnp
 
 import eqx_lean
-from eqx_lean import _core
-from eqx_lean.bench._models import PRESETS, Block
+from eqx_lean.internal import PRESETS, Block, trace_layer
 
 
 def main() -> None:
@@ -34,7 +33,7 @@ def main() -> None:
     times = []
     for _ in range(20):
         start = time.perf_counter()
-        _core.trace_layer(lambda k: Block(config, key=k), key)
+        trace_layer(lambda k: Block(config, key=k), key)
         times.append(time.perf_counter() - start)
     print(f"{args.preset}: trace one block: {1e3 * statistics.median(times):.1f} ms (median of 20)")
 

@@ -17,8 +17,17 @@ import time
 import jax
 import jax.numpy as jnp
 
-from eqx_lean import _core
-from eqx_lean.bench._models import PRESETS, Block
+from eqx_lean.internal import (
+    PRESETS,
+    Block,
+    WriteGroup,
+    Tricks,
+    build_in_trace,
+    lower,
+    plan_build,
+    trace_writes,
+    tree_bytes,
+)
 
 
 MiB = 2**20
@@ -31,13 +40,13 @@ def _compile(lowered) -> tuple[int, int, float]:
     return analysis.temp_size_in_bytes, analysis.alias_size_in_bytes, seconds
 
 
-CPU = _core.Tricks.for_platform("cpu")
+CPU = Tricks.for_platform("cpu")
 
 
 def _report(name: str, traced: jax.stages.Traced) -> None:
     jax_lowering = dataclasses.replace(CPU, fused_threefry=False)
-    rolled_temp, alias, rolled_seconds = _compile(_core.lower(traced, jax_lowering))
-    unrolled_temp, _, unrolled_seconds = _compile(_core.lower(traced, CPU))
+    rolled_temp, alias, rolled_seconds = _compile(lower(traced, jax_lowering))
+    unrolled_temp, _, unrolled_seconds = _compile(lower(traced, CPU))
     print(
         f"| {name} | {rolled_temp / MiB:.0f} MiB | {unrolled_temp / MiB:.2f} MiB "
         f"| {alias / MiB:.0f} MiB | {rolled_seconds:.2f} s | {unrolled_seconds:.2f} s |"
@@ -53,12 +62,10 @@ def main() -> None:
     def make(k):
         return Block(config, key=k)
 
-    plan = _core.plan_build(make, keys, jnp.bfloat16)
+    plan = plan_build(make, keys, jnp.bfloat16)
     structs = plan.structs
-    every_leaf = plan._replace(
-        groups=(_core.WriteGroup(tuple(range(len(structs))), plan.shardings),)
-    )
-    final = _core.tree_bytes(structs)
+    every_leaf = plan._replace(groups=(WriteGroup(tuple(range(len(structs))), plan.shardings),))
+    final = tree_bytes(structs)
     print(f"{config}: final {final / MiB:.0f} MiB in bfloat16\n")
     print(
         "| strategy | XLA temp, JAX's Threefry | XLA temp, unrolled (used) | aliased "
@@ -66,17 +73,17 @@ def main() -> None:
     )
     print("| --- | --- | --- | --- | --- | --- |")
 
-    for group, traced in zip(plan.groups, _core.trace_writes(plan, CPU), strict=True):
+    for group, traced in zip(plan.groups, trace_writes(plan, CPU), strict=True):
         _report(f"per-group write, leaves {group.leaves} (chosen)", traced)
-    (traced,) = _core.trace_writes(every_leaf, CPU)
+    (traced,) = trace_writes(every_leaf, CPU)
     _report("whole-layer write, called per layer", traced)
     _report(
         "one program: a fori_loop per group",
-        jax.jit(lambda keys: tuple(_core.build_in_trace(plan, keys))).trace(keys),
+        jax.jit(lambda keys: tuple(build_in_trace(plan, keys))).trace(keys),
     )
     _report(
         "one program: a fori_loop over whole layers",
-        jax.jit(lambda keys: tuple(_core.build_in_trace(every_leaf, keys))).trace(keys),
+        jax.jit(lambda keys: tuple(build_in_trace(every_leaf, keys))).trace(keys),
     )
 
 

@@ -19,8 +19,7 @@ import jax
 import jax.numpy as jnp
 from _worker_runs import run_json
 
-from eqx_lean import _core
-from eqx_lean.bench._models import Block, BlockConfig
+from eqx_lean.internal import Block, BlockConfig, plan_build, write_temp_bytes
 
 
 MiB = 2**20
@@ -47,8 +46,8 @@ def main() -> None:
     print("| --- | --- | --- | --- |")
     for config, dtype in FIT_CONFIGS:
         keys = jax.random.split(jax.random.key(0), config.num_layers)
-        plan = _core.plan_build(lambda k, c=config: Block(c, key=k), keys, jnp.dtype(dtype))
-        temp = max(_core.write_temp_bytes(plan), default=0)
+        plan = plan_build(lambda k, c=config: Block(c, key=k), keys, jnp.dtype(dtype))
+        temp = max(write_temp_bytes(plan), default=0)
         measured = [_measure(config, dtype) for _ in range(RUNS)]
         runs = [m["peak_over_idle_bytes"] - m["final_bytes"] - temp for m in measured]
         overheads += runs

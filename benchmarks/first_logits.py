@@ -71,8 +71,8 @@ def eqx_worker(checkpoint: str, file_backed: bool, cache: str | None) -> dict:
     import jax.numpy as jnp
 
     import eqx_lean
-    from eqx_lean._core import tree_bytes
     from eqx_lean.hf import load_hf
+    from eqx_lean.internal import tree_bytes
 
     if cache:
         eqx_lean.use_compilation_cache(cache)

@@ -77,8 +77,7 @@ def _make_blocks(preset: str, method: str) -> tuple[Any, Any]:
     import jax
     import jax.numpy as jnp
 
-    from eqx_lean.bench._models import PRESETS, Block
-    from eqx_lean.bench._worker import METHODS
+    from eqx_lean.internal import METHODS, PRESETS, Block
 
     config = PRESETS[preset]
     keys = jax.random.split(jax.random.key(0), config.num_layers)
@@ -89,7 +88,7 @@ def _make_blocks(preset: str, method: str) -> tuple[Any, Any]:
 def case_build(method: str, preset: str) -> dict[str, Any]:
     import jax
 
-    from eqx_lean._core import tree_bytes
+    from eqx_lean.internal import tree_bytes
 
     make, (build, keys, dtype) = _make_blocks(preset, method)
     idle = _gpu_stats()
@@ -105,7 +104,7 @@ def case_build(method: str, preset: str) -> dict[str, Any]:
     if method == "filter_jit(filter_vmap)":
         import equinox as eqx
 
-        from eqx_lean.bench._worker import cast_floating
+        from eqx_lean.internal import cast_floating
 
         compiled = (
             jax.jit(
@@ -126,8 +125,7 @@ def case_load(preset: str) -> dict[str, Any]:
     import jax
 
     import eqx_lean
-    from eqx_lean._core import tree_bytes
-    from eqx_lean._rss import peak_rss_bytes, rss_bytes
+    from eqx_lean.internal import peak_rss_bytes, rss_bytes, tree_bytes
 
     make, (_, keys, dtype) = _make_blocks(preset, "build_stacked")
     if not CHECKPOINT.exists():
@@ -155,7 +153,7 @@ def save_checkpoint(preset: str) -> dict[str, Any]:
     import jax
 
     import eqx_lean
-    from eqx_lean._core import tree_bytes
+    from eqx_lean.internal import tree_bytes
 
     make, (_, keys, dtype) = _make_blocks(preset, "build_stacked")
     blocks = jax.block_until_ready(eqx_lean.build_stacked(make, keys, dtype))
@@ -176,10 +174,8 @@ def case_lora(preset: str, spec: str, steps: int = 5) -> dict[str, Any]:
     import jax.numpy as jnp
 
     sys.path.insert(0, str(_REPO))
-    from eqx_lean._core import tree_bytes
-    from eqx_lean.hf import MistralConfig, init
-    from eqx_lean.hf._adapters import TARGETS
-    from eqx_lean.hf._finetune import make_lora_step
+    from eqx_lean.hf import MistralConfig, init, make_lora_step
+    from eqx_lean.internal import LORA_TARGETS, tree_bytes
     from eqx_lean.lora import LoraConfig, add_lora, lora_filter
     from examples.mistral7b.train import adamw
 
@@ -189,7 +185,9 @@ def case_lora(preset: str, spec: str, steps: int = 5) -> dict[str, Any]:
     start = time.perf_counter()
     model = init(config, key=jax.random.key(0), dtype=jnp.bfloat16)
     model = add_lora(
-        model, LoraConfig(r=16, lora_alpha=16, target_modules=tuple(TARGETS)), key=jax.random.key(1)
+        model,
+        LoraConfig(r=16, lora_alpha=16, target_modules=tuple(LORA_TARGETS)),
+        key=jax.random.key(1),
     )
     jax.block_until_ready(model)
     build_seconds = time.perf_counter() - start

@@ -85,7 +85,7 @@ def _lower_build_writes(
     """Lowers `build_stacked`'s per-group writes, each CPU trick switched on or off.
 
     The one place where this script uses eqx_lean internals, through the documented internal
-    module `eqx_lean._core` (`plan_build`, `Tricks`, `lower_writes`).
+    module `eqx_lean.internal` (`plan_build`, `Tricks`, `lower_writes`).
 
     **Arguments:**
 
@@ -106,16 +106,14 @@ def _lower_build_writes(
     """
     import jax
 
-    from eqx_lean import _core
+    from eqx_lean.internal import Tricks, lower_writes, plan_build
 
     # The plan only reads the keys' shape and dtype; it wants a concrete array.
     keys = jax.random.split(jax.random.key(0), keys_struct.shape[0])
     assert keys.dtype == keys_struct.dtype, (keys.dtype, keys_struct.dtype)
-    plan = _core.plan_build(make_layer, keys, dtype, sharding)
-    tricks = _core.Tricks(
-        fused_threefry=fused, licm_off=licm_off, bit_writes=bit_writes, layer_runs=loop
-    )
-    return _core.lower_writes(plan, tricks=tricks, lowering_platforms=platforms)
+    plan = plan_build(make_layer, keys, dtype, sharding)
+    tricks = Tricks(fused_threefry=fused, licm_off=licm_off, bit_writes=bit_writes, layer_runs=loop)
+    return lower_writes(plan, tricks=tricks, lowering_platforms=platforms)
 
 
 def _program_text(compiled: Any) -> str:
@@ -166,7 +164,7 @@ def _models() -> dict[str, Callable[[Any], Any]]:
     import equinox as eqx
     import jax
 
-    from eqx_lean.bench._models import PRESETS, Block
+    from eqx_lean.internal import PRESETS, Block
 
     config = PRESETS["default"]
 
@@ -198,7 +196,7 @@ def _figures(sharding: Any) -> dict[str, dict[str, Any]]:
     from jax import lax
 
     import eqx_lean
-    from eqx_lean.bench._models import PRESETS
+    from eqx_lean.internal import PRESETS
 
     num_layers = PRESETS["default"].num_layers
     key_dtype = jax.random.key(0).dtype

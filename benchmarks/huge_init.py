@@ -77,7 +77,7 @@ def worker_temp(config: dict) -> dict:
 
 
 def worker_process(config: dict) -> dict:
-    from eqx_lean._rss import peak_rss_bytes, rss_bytes
+    from eqx_lean.internal import peak_rss_bytes, rss_bytes
 
     jax, shape, sharding, initializer = _setup(config)
     key = jax.random.key(0)

@@ -34,7 +34,7 @@ Usage (the page cache is warmed before the first method, for every method alike)
         # ~15 GiB free for the load plus the page cache of the files; run it on a quiet machine
 
 `--writes compiled` runs the compiled chunk writes that GPUs and TPUs use on CPU too
-(`eqx_lean._core.chunks.HOST_WRITES = False`); the default is CPU's host writes. `--code DIR`
+(`eqx_lean.internal.chunks.HOST_WRITES = False`); the default is CPU's host writes. `--code DIR`
 loads with the `eqx_lean` and example of another checkout (for before/after figures).
 
 `--offsets hf` (default) writes tensors at offsets that are not 64-byte aligned, as most
@@ -218,7 +218,10 @@ def load_with(method: str, directory: Path, devices: int, writes: str):
         from eqx_lean.hf import load_hf
 
         if writes == "compiled":
-            from eqx_lean._core import chunks
+            try:
+                from eqx_lean.internal import chunks
+            except ImportError:  # a `--code` checkout older than `eqx_lean.internal`
+                from eqx_lean._core import chunks
 
             chunks.HOST_WRITES = False
         sharding = None

@@ -25,7 +25,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 import eqx_lean
 import eqx_lean.hf as hf
 from eqx_lean import lora
-from eqx_lean._core import layer_struct, struct_bytes
+from eqx_lean.internal import layer_struct, struct_bytes
 from eqx_lean.memory import plan, target
 
 

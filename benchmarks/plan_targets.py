@@ -40,8 +40,7 @@ def build_7b(spec):
 
     import eqx_lean
     from eqx_lean import memory
-    from eqx_lean.hf import MistralConfig
-    from eqx_lean.hf._model import make_block
+    from eqx_lean.hf import MistralConfig, make_block
 
     where = memory.target(spec)
     mesh = _mesh(where)
@@ -57,12 +56,11 @@ def build_7b_rows(spec):
     """`build-7b`, each of `estimate`'s programs compiled in turn and timed (printed)."""
     import jax
 
-    from eqx_lean import _core
-    from eqx_lean._memory import estimates
+    from eqx_lean.internal import compile_writes, memory_estimates
 
     def one_by_one(plan, lowered):
         start = time.perf_counter()
-        writes = _core.compile_writes(plan)
+        writes = compile_writes(plan)
         print(f"ROW\tbuild_stacked writes\t{time.perf_counter() - start:.1f} s", flush=True)
         compiled = {}
         for name, program in lowered.items():
@@ -78,7 +76,7 @@ def build_7b_rows(spec):
             print(f"ROW\t{what}\t{seconds:.1f} s", flush=True)
         return writes, compiled
 
-    estimates._compile_side_by_side = one_by_one
+    memory_estimates._compile_side_by_side = one_by_one
     return build_7b(spec)
 
 
@@ -124,12 +122,12 @@ def _lora_7b(where):
 
     from eqx_lean import lora
     from eqx_lean.hf import MistralConfig, fsdp_shardings, lora_config_of_rank
-    from eqx_lean.hf._finetune import _abstract_lora_model
+    from eqx_lean.internal import abstract_lora_model
 
     mesh = _mesh(where)
     n = len(where.devices)
     model = eqx.filter_eval_shape(
-        _abstract_lora_model, MistralConfig(), lora_config_of_rank(16), jnp.bfloat16
+        abstract_lora_model, MistralConfig(), lora_config_of_rank(16), jnp.bfloat16
     )
     model = jax.tree.map(
         lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
@@ -146,7 +144,7 @@ def _lora_7b(where):
 
 
 def _make_loss(remat):
-    from eqx_lean.hf._train import next_token_loss
+    from eqx_lean.hf import next_token_loss
 
     return lambda model, ids: next_token_loss(model, ids, remat=remat)
 

@@ -83,7 +83,7 @@ CPU_JIT_ALLOWANCE = 44 * MiB
 
 
 def _config(small: bool) -> Any:
-    from eqx_lean.bench._models import BlockConfig
+    from eqx_lean.internal import BlockConfig
 
     if small:
         return BlockConfig(num_layers=2, dim=256, hidden=512, heads=4, kv_heads=2)
@@ -102,7 +102,7 @@ class AnonSampler(threading.Thread):
     """The largest `RssAnon` and the smallest `RssFile` seen, every `interval` seconds."""
 
     def __init__(self, interval: float = 0.002):
-        from eqx_lean._rss import memory_status
+        from eqx_lean.internal import memory_status
 
         super().__init__(daemon=True)
         self.interval = interval
@@ -137,7 +137,7 @@ def _mesh() -> Any:
 
 
 def _make_layer(config: Any) -> Any:
-    from eqx_lean.bench._models import Block
+    from eqx_lean.internal import Block
 
     return lambda key: Block(config, key=key)
 
@@ -155,7 +155,7 @@ def _zeros_like(like: Any, rule: Any, mesh: Any) -> Any:
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from eqx_lean._core import layer_struct
+    from eqx_lean.internal import layer_struct
 
     def zeros(path: Any, leaf: Any) -> Any:
         if not isinstance(leaf, jax.ShapeDtypeStruct):
@@ -294,15 +294,13 @@ class Load(Case):
 
     def plan(self, inputs: Any, result: Any) -> dict[str, Any]:
         import eqx_lean
-        from eqx_lean._core import struct_bytes, tree_bytes
-        from eqx_lean._io.load import _CHUNK_BYTES
-        from eqx_lean._io.names import split_layer
+        from eqx_lean.internal import io_load, split_layer, struct_bytes, tree_bytes
 
         loaded = tree_bytes(result)
         # On CPU the loader compiles nothing: it allocates the final buffers from host zeros
         # and copies each device's slice of each layer into them, staging at most two chunks
         # (`_Staging`'s two slots) where a slice is not contiguous or aligned.
-        staging = 2 * _CHUNK_BYTES
+        staging = 2 * io_load._CHUNK_BYTES
         # The files are mapped read-only and each layer's pages released once it is copied:
         # the largest layer's stored bytes are resident (as page cache) at once.
         layers: dict[int, int] = {}
@@ -405,7 +403,7 @@ class Lora(Case):
 
 
 def _project(linear: Any, x: Any) -> Any:
-    from eqx_lean.bench._models import _project as project
+    from eqx_lean.internal import project
     from eqx_lean.lora import LoraLinear
 
     return linear.project(x) if isinstance(linear, LoraLinear) else project(linear, x)
@@ -417,13 +415,13 @@ def lora_block(block: Any, x: Any) -> Any:
     import jax
     import jax.numpy as jnp
 
-    from eqx_lean.bench._models import _rms_norm
+    from eqx_lean.internal import rms_norm
 
     attention = block.attention
     batch, seq, dim = x.shape
     heads, kv_heads = attention.num_heads, attention.num_kv_heads
     head_dim, groups = dim // heads, heads // kv_heads
-    h = _rms_norm(block.input_norm, x)
+    h = rms_norm(block.input_norm, x)
     q = _project(attention.q_proj, h).reshape(batch, seq, kv_heads, groups, head_dim)
     k = _project(attention.k_proj, h).reshape(batch, seq, kv_heads, head_dim)
     v = _project(attention.v_proj, h).reshape(batch, seq, kv_heads, head_dim)
@@ -433,7 +431,7 @@ def lora_block(block: Any, x: Any) -> Any:
     weights = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(x.dtype)
     out = jnp.einsum("bgrts,bsgd->btgrd", weights, v).reshape(batch, seq, dim)
     x = x + _project(attention.o_proj, out)
-    h = _rms_norm(block.post_attention_norm, x)
+    h = rms_norm(block.post_attention_norm, x)
     mlp = block.mlp
     gate = jax.nn.silu(_project(mlp.gate_proj, h))
     return x + _project(mlp.down_proj, gate * _project(mlp.up_proj, h))
@@ -449,8 +447,7 @@ def measure_case(name: str, small: bool, directory: Path | None) -> dict[str, An
     """Runs one case in this (fresh) process: idle, the measured call, then its plan."""
     import jax
 
-    from eqx_lean._core import tree_bytes
-    from eqx_lean._rss import memory_status
+    from eqx_lean.internal import memory_status, tree_bytes
 
     case = CLASSES[name](small, directory)
     jax.devices()

@@ -56,7 +56,7 @@ def _worker(spec: dict[str, Any]) -> dict[str, Any]:
     import jax.numpy as jnp
 
     import eqx_lean
-    from eqx_lean._core import tree_bytes
+    from eqx_lean.internal import tree_bytes
 
     config = spec["config"]
     dim, hidden, heads, tokens, batch = (

@@ -25,8 +25,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import eqx_lean
-from eqx_lean._core import tree_bytes
-from eqx_lean.bench._models import PRESETS, Block, BlockConfig
+from eqx_lean.internal import PRESETS, Block, BlockConfig, tree_bytes
 
 
 MiB = 2**20

@@ -22,8 +22,19 @@ import jax.numpy as jnp
 from jax.sharding import AxisType
 
 import eqx_lean
-from eqx_lean import _core
-from eqx_lean.bench._models import PRESETS, Block, wide_layer
+from eqx_lean.internal import (
+    PRESETS,
+    Block,
+    BuildPlan,
+    Tricks,
+    compile_writes,
+    lower_writes,
+    memory_analysis,
+    plan_build,
+    shard_bytes,
+    tree_bytes,
+    wide_layer,
+)
 
 
 KiB = 2**10
@@ -38,23 +49,23 @@ def _bytes(n: float) -> str:
     return f"{n / MiB:.2f} MiB" if n >= MiB else f"{n / KiB:.1f} KiB"
 
 
-def _temps_with_jax_lowering(plan: _core.BuildPlan) -> list[int]:
-    tricks = dataclasses.replace(_core.Tricks.for_platform("cpu"), fused_threefry=False)
-    lowered = _core.lower_writes(plan, tricks=tricks)
-    return [_core.memory_analysis(x.compile()).temp_size_in_bytes for x in lowered]
+def _temps_with_jax_lowering(plan: BuildPlan) -> list[int]:
+    tricks = dataclasses.replace(Tricks.for_platform("cpu"), fused_threefry=False)
+    lowered = lower_writes(plan, tricks=tricks)
+    return [memory_analysis(x.compile()).temp_size_in_bytes for x in lowered]
 
 
 def report(name: str, make_layer, devices: int, axis_type: AxisType) -> None:
     keys = jax.random.split(jax.random.key(0), 4)
     mesh = jax.make_mesh((devices,), ("data",), (axis_type,), devices=jax.devices()[:devices])
-    plan = _core.plan_build(make_layer, keys, jnp.bfloat16, eqx_lean.fsdp(mesh))
-    layer_bytes = _core.tree_bytes(plan.layout.structs)
+    plan = plan_build(make_layer, keys, jnp.bfloat16, eqx_lean.fsdp(mesh))
+    layer_bytes = tree_bytes(plan.layout.structs)
     bound = 3 * layer_bytes / devices + MiB
-    compiled = _core.compile_writes(plan)
+    compiled = compile_writes(plan)
     jax_temps = _temps_with_jax_lowering(plan)
     for group, executable, jax_temp in zip(plan.groups, compiled, jax_temps, strict=True):
-        analysis = _core.memory_analysis(executable)
-        shard = sum(_core.shard_bytes(s) for s in plan.buffer_structs(group))
+        analysis = memory_analysis(executable)
+        shard = sum(shard_bytes(s) for s in plan.buffer_structs(group))
         met = analysis.alias_size_in_bytes == shard and analysis.temp_size_in_bytes <= bound
         print(
             f"| {name} | {devices} | {axis_type.name} | {len(group.leaves)} | {_bytes(shard)} "

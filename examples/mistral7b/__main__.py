@@ -40,8 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import eqx_lean
-from eqx_lean._core import tree_bytes
-from eqx_lean._rss import status_kib
+from eqx_lean.internal import status_kib, tree_bytes
 
 
 def _gib(kib: float) -> str:

@@ -14,9 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import PRNGKeyArray
 
-from eqx_lean.hf import MistralConfig
-from eqx_lean.hf._model import Mistral, init
-from eqx_lean.hf._train import adamw, make_train_step, next_token_loss
+from eqx_lean.hf import Mistral, MistralConfig, adamw, init, make_train_step, next_token_loss
 
 
 TEXT_PATH = os.path.join(os.path.dirname(__file__), "data", "declaration_of_independence.txt")
