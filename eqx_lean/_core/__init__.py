@@ -1,7 +1,8 @@
 """The build engine under `build_stacked`, the loaders, `init.chunked` and `memory.estimate`.
 
-This is eqx_lean's documented internal API: the public functions are built from it, and the
-scripts in `benchmarks/` may use it. It is not public API and may change between releases.
+The public functions are built from it. It is not public API and may change between releases;
+the repository's tests, benchmarks and example reach what they use of it through
+`eqx_lean.internal` (see its `README.md`).
 
 - `layout`: how a layer splits into array leaves and a static part (`Layout`), the checks of
   `keys` and of a stacked module's layer axis, the stacked leaves' structs (`stacked_structs`)
