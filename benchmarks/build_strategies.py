@@ -20,8 +20,8 @@ import jax.numpy as jnp
 from eqx_lean.internal import (
     PRESETS,
     Block,
-    WriteGroup,
     Tricks,
+    WriteGroup,
     build_in_trace,
     lower,
     plan_build,

@@ -56,7 +56,7 @@ def test_calls_cover_every_row_within_the_chunk_budget():
                 for call in range(group.calls)
             }
             covered = set().union(*(range(s, s + part.rows) for s in starts))
-            assert covered == set(range(rows)), part.target
+            assert covered == set(range(rows)), part.buffer
     assert stacked.local_layers == 32 and plain.local_layers == 1
 
 
@@ -139,7 +139,7 @@ def test_host_buffers_allocated_in_threads_come_back_in_target_order():
 def test_zero_size_buffers_are_allocated_and_left_alone(host_writes):
     plans = [buffer_plan((3, 0, 4)), buffer_plan((2, 5), stacked=False)]
     groups = plan_chunks(plans, MIB, host_writes=host_writes)
-    assert [p.target for g in groups for p in g.parts] == [1]
+    assert [p.buffer for g in groups for p in g.parts] == [1]
     buffers = allocate_buffers(plans, host_writes=host_writes)
     assert [b.shape for b in buffers] == [(3, 0, 4), (2, 5)]
     values = np.arange(10, dtype=np.float32).reshape(2, 5)
