@@ -315,28 +315,22 @@ def _lock_occupant(path: Path, locks: contextlib.ExitStack) -> tuple[int, int] |
     **Returns:**
 
     The identity (device, inode) of the directory it dealt with; `None` if `path` is missing.
-
-    A test seam: `test_io_leftovers` wraps it to run another save just after it.
     """
     deadline = time.monotonic() + LOCK_WAIT
     while True:
-        occupant = _identity(path)
-        if occupant is None:
-            return None
         try:
             fd = fs.lock(path, shared=True)
         except OSError:
-            return occupant
-        if fd is not None:
+            return _identity(path)
+        if fd is not None:  # `fs.lock` checked that `path` still names what it locked
+            locks.callback(os.close, fd)
             locked = os.fstat(fd)
-            if (locked.st_dev, locked.st_ino) == occupant:
-                locks.callback(os.close, fd)
-                return occupant
-            os.close(fd)  # another directory took the name meanwhile: lock that one
-            continue
+            return locked.st_dev, locked.st_ino
+        if not os.path.lexists(path):
+            return None
         if time.monotonic() > deadline:
             return _identity(path)
-        time.sleep(0.005)
+        time.sleep(0.005)  # a probe's exclusive lock, or another directory took the name
 
 
 def _swap(
@@ -376,12 +370,13 @@ def _swap(
         except FileExistsError:
             if listing is not None or not os.path.lexists(path):
                 raise
-            # Another save's first save made it since the identity check: lock it, list it,
-            # then swap with it (the last swap wins).
+            # Made since the identity check by a process that is no save (saves swap under the
+            # parent's lock): lock it, list it, then swap with it (the last swap wins).
         except FileNotFoundError:
             if listing is None or os.path.lexists(path) or os.path.lexists(aside):
                 raise
-            # Deleted since the identity check: rename into place instead.
+            # Deleted since the identity check (by a process that is no save): rename into
+            # place instead.
     raise RuntimeError(
         f"a save of {path} could not swap its new checkpoint in: {SWAP_TRIES} times, another "
         "process created, replaced or deleted it between the save's last listing of it and "
