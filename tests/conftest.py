@@ -17,6 +17,11 @@ import pytest  # noqa: E402
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
+# Eight CPU devices in the suite's own process, for the sharding tests: read once, when JAX's
+# CPU backend starts, so it is set here, before any test runs. A config option, not
+# `XLA_FLAGS`, so that the subprocesses the tests start (fresh-process memory figures, kills,
+# races) keep their one device unless they ask for more.
+jax.config.update("jax_num_cpu_devices", 8)
 
 
 @pytest.fixture
@@ -66,3 +71,15 @@ def when_load_files_are_open(monkeypatch):
         return ran
 
     return install
+
+
+@pytest.fixture
+def no_allocation(monkeypatch):
+    """Fails the test if a load allocates a buffer (`eqx_lean._io.load._allocate`, a seam):
+    for the checks that must refuse a checkpoint before any memory is spent on it."""
+    from eqx_lean.internal import io_load
+
+    def fail(*args, **kwargs):
+        raise AssertionError("a buffer was allocated")
+
+    monkeypatch.setattr(io_load, "_allocate", fail)

@@ -673,14 +673,6 @@ def saved(tmp_path):
     return tmp_path / "ckpt" / "model.safetensors", like
 
 
-@pytest.fixture
-def no_allocation(monkeypatch):
-    def fail(*args, **kwargs):
-        raise AssertionError("a buffer was allocated")
-
-    monkeypatch.setattr(io_load, "_allocate", fail)
-
-
 def test_missing_tensors_are_listed_with_a_count(saved):
     file, like = saved
     _, longer = build(7, jnp.float32)

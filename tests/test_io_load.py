@@ -72,14 +72,6 @@ def layers_of(tensors, key, layers):
     return np.stack([tensors[f"model.layers.{i}.{key}"] for i in layers])
 
 
-@pytest.fixture
-def no_allocation(monkeypatch):
-    def fail(*args, **kwargs):
-        raise AssertionError("a buffer was allocated")
-
-    monkeypatch.setattr(io_load, "_allocate", fail)
-
-
 @pytest.fixture(params=[True, False], ids=["host_writes", "compiled_writes"])
 def writes(request, monkeypatch):
     """Both ways of filling buffers: host writes (CPU's) and compiled chunk writes (other
