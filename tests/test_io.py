@@ -6,8 +6,8 @@ import signal
 import struct
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
+from typing import NamedTuple
 
 import equinox as eqx
 import jax
@@ -16,10 +16,12 @@ import ml_dtypes
 import numpy as np
 import pytest
 import safetensors.numpy
+from harness import assert_bitwise_equal, bits, keys_of, mesh_of
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from safetensors import safe_open
 
 import eqx_lean
-from eqx_lean.internal import io_load
+from eqx_lean.internal import chunks, io_load
 
 
 REPO = Path(__file__).resolve().parent.parent
@@ -61,20 +63,8 @@ def keep_norm_f32(path, leaf):
 
 
 def arrays(tree):
+    """The array leaves of `tree`, in order."""
     return jax.tree.leaves(eqx.filter(tree, eqx.is_array))
-
-
-def bits(x) -> np.ndarray:
-    x = np.asarray(x)
-    return x.view(f"u{x.dtype.itemsize}") if x.dtype.kind in "fV" else x
-
-
-def assert_bitwise_equal(a, b):
-    la, lb = arrays(a), arrays(b)
-    assert len(la) == len(lb)
-    for x, y in zip(la, lb, strict=True):
-        assert x.shape == y.shape and x.dtype == y.dtype, (x.shape, x.dtype, y.shape, y.dtype)
-        np.testing.assert_array_equal(bits(x), bits(y))
 
 
 def random_like(tree, dtype, seed):
@@ -101,7 +91,7 @@ def abstract(tree):
 @functools.cache
 def build(num_layers, dtype, seed=0):
     """A stacked Block of random values and its abstract twin (never mutated by the tests)."""
-    keys = jax.random.split(jax.random.key(0), num_layers)
+    keys = keys_of(num_layers)
     stacked = random_like(eqx.filter_eval_shape(eqx.filter_vmap(make_block), keys), dtype, seed)
     return stacked, abstract(stacked)
 
@@ -111,20 +101,6 @@ def write_header_file(path, header: dict, data: bytes, header_len=None):
     raw += b" " * (-len(raw) % 8)
     length = len(raw) if header_len is None else header_len
     path.write_bytes(struct.pack("<Q", length) + raw + data)
-
-
-def run_script(code: str, tmp_path: Path, devices: int = 8) -> str:
-    script = tmp_path / "script.py"
-    script.write_text(textwrap.dedent(code))
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
-    env["PYTHONPATH"] = str(REPO)
-    env["JAX_PLATFORMS"] = "cpu"
-    result = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    return result.stdout
 
 
 # --------------------------------------------------------------------------------------------
@@ -143,7 +119,7 @@ def test_round_trip_is_bitwise_exact(dtype, tmp_path):
 
 def test_round_trip_into_the_abstract_twin_of_build_stacked(tmp_path):
     # The abstract target as the docs suggest building it.
-    keys = jax.random.split(jax.random.key(3), 3)
+    keys = keys_of(3, 3)
     like = eqx.filter_eval_shape(eqx_lean.build_stacked, make_block, keys, keep_norm_f32)
     stacked = random_like(like, keep_norm_f32, seed=3)
     eqx_lean.save_stacked(tmp_path / "ckpt", stacked, hf_names)
@@ -423,35 +399,18 @@ def test_save_replaces_weights_and_keeps_other_files(tmp_path):
 
 
 def test_save_killed_midway_leaves_previous_checkpoint_loadable(tmp_path):
+    """A save killed (SIGKILL) after its third write, in a child process
+    (`tests/workers/slow_save.py`, which saves over the checkpoint with these names and file
+    size, each write slowed down)."""
     old = {"w": jnp.arange(6 * 16, dtype=jnp.float32).reshape(6, 4, 4)}
     names = {"w": "layers.{i}.w"}
     eqx_lean.save_stacked(tmp_path / "ckpt", old, names, max_shard_bytes=64)
-    code = f"""
-        import sys, time
-        import jax.numpy as jnp
-        import eqx_lean
-        from eqx_lean.internal import fs
-
-        count = [0]
-
-        def slow_write(when, op, paths):
-            if (when, op) != ("after", "write"):
-                return
-            count[0] += 1
-            if count[0] == 3:
-                print("writing", flush=True)
-            time.sleep(0.5)
-
-        fs.HOOKS.append(slow_write)
-        new = {{"w": -jnp.ones((6, 4, 4), jnp.float32)}}
-        eqx_lean.save_stacked({str(tmp_path / "ckpt")!r}, new, {names!r}, max_shard_bytes=64)
-        print("finished", flush=True)
-    """
-    script = tmp_path / "save.py"
-    script.write_text(textwrap.dedent(code))
     env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
     child = subprocess.Popen(
-        [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
+        [sys.executable, str(REPO / "tests" / "workers" / "slow_save.py"), str(tmp_path / "ckpt")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
     )
     try:
         assert child.stdout is not None
@@ -475,135 +434,164 @@ def test_save_killed_midway_leaves_previous_checkpoint_loadable(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------
-# Sharding (8 CPU devices, in a subprocess so that the device count can be forced)
+# Sharding (the suite's 8 CPU devices)
 
 
-def test_sharded_load_on_8_devices_equals_unsharded(tmp_path):
-    out = run_script(
-        f"""
-        import pathlib
-        import jax, jax.numpy as jnp, ml_dtypes, numpy as np, safetensors.numpy
-        from jax.sharding import NamedSharding, PartitionSpec as P
-        import eqx_lean
-        from eqx_lean.internal import chunks, io_load
+# A checkpoint of 4 layers of three leaves (one stored transposed) and a plain embedding, its
+# target, and shardings of it over a 2 x 4 mesh of axes "a" and "b".
+SHARDED_NAMES = {
+    "w": "l.{i}.w",
+    "v": "l.{i}.v",
+    "t": eqx_lean.TensorName("l.{i}.t", transpose=(1, 0)),
+    "emb": "embed",
+}
+SHARDED_LIKE = {
+    "w": jax.ShapeDtypeStruct((4, 8, 12), jnp.bfloat16),
+    "v": jax.ShapeDtypeStruct((4, 8), jnp.float32),
+    "t": jax.ShapeDtypeStruct((4, 8, 12), jnp.float32),
+    "emb": jax.ShapeDtypeStruct((16, 8), jnp.float32),
+}
+# `sharding=`: per layer for the stacked leaves (the layer axis replicated), whole for `emb`.
+PER_LAYER_SPECS = {"w": P("a", "b"), "v": P("b"), "t": P("b", "a"), "emb": P("b", None)}
+# The shardings the loaded arrays carry: the stacked leaves' layer axis replicated.
+STACKED_SPECS = {
+    "w": P(None, "a", "b"),
+    "v": P(None, "b"),
+    "t": P(None, "b", "a"),
+    "emb": P("b", None),
+}
+# The slice of each stored tensor that one device holds (`t` is stored as [12, 8] per layer).
+PER_DEVICE_SHAPES = {"l.{i}.w": (4, 3), "l.{i}.v": (2,), "l.{i}.t": (2, 6), "embed": (4, 8)}
 
-        assert jax.device_count() == 8
-        rng = np.random.default_rng(0)
-        L = 4
-        w = rng.standard_normal((L, 8, 12), dtype=np.float32)
-        v = rng.standard_normal((L, 8), dtype=np.float32)
-        t = rng.standard_normal((L, 8, 12), dtype=np.float32)  # stored as [12, 8] per layer
-        emb = rng.standard_normal((16, 8), dtype=np.float32)
-        tensors = {{"embed": emb}}
-        for i in range(L):
-            tensors |= {{f"l.{{i}}.w": w[i], f"l.{{i}}.v": v[i], f"l.{{i}}.t": t[i].T.copy()}}
-        safetensors.numpy.save_file(tensors, {str(tmp_path / "m.safetensors")!r})
 
-        names = {{"w": "l.{{i}}.w", "v": "l.{{i}}.v",
-                  "t": eqx_lean.TensorName("l.{{i}}.t", transpose=(1, 0)), "emb": "embed"}}
-        like = {{"w": jax.ShapeDtypeStruct((L, 8, 12), jnp.bfloat16),
-                 "v": jax.ShapeDtypeStruct((L, 8), jnp.float32),
-                 "t": jax.ShapeDtypeStruct((L, 8, 12), jnp.float32),
-                 "emb": jax.ShapeDtypeStruct((16, 8), jnp.float32)}}
-        mesh = jax.make_mesh((2, 4), ("a", "b"))
-        # Per layer for the stacked leaves (the layer axis replicated), whole for `emb`.
-        specs = {{"w": P("a", "b"), "v": P("b"), "t": P("b", "a"), "emb": P("b", None)}}
-        shardings = {{k: NamedSharding(mesh, s) for k, s in specs.items()}}
-        stacked_specs = {{"w": P(None, "a", "b"), "v": P(None, "b"), "t": P(None, "b", "a"),
-                          "emb": P("b", None)}}
-        expected_shardings = {{k: NamedSharding(mesh, s) for k, s in stacked_specs.items()}}
+class ShardedCheckpoint(NamedTuple):
+    path: Path  # one safetensors file
+    tensors: dict[str, np.ndarray]  # what it holds, by name
+    reference: dict[str, np.ndarray]  # SHARDED_LIKE's leaves, as loading must fill them
+    mesh: Mesh  # 2 x 4 devices, axes "a" and "b"
 
-        reads = []
-        host_slice = io_load._host_slice
-        def recording_host_slice(stored, name, index):
-            value = host_slice(stored, name, index)
-            reads.append((name.name, value.shape))
-            return value
-        io_load._host_slice = recording_host_slice
-        io_load._CHUNK_BYTES = 2 * 8 * 4  # the compiled writes: one row of each shard per call
-        path = {str(tmp_path / "m.safetensors")!r}
-        reference = {{"w": w.astype(ml_dtypes.bfloat16), "v": v, "t": t, "emb": emb}}
-        per_layer_shard = {{"l.{{i}}.w": (4, 3), "l.{{i}}.v": (2,), "l.{{i}}.t": (2, 6),
-                            "embed": (4, 8)}}
-        unsharded = eqx_lean.load_tensors(path, like, names)
-        # Host writes (CPU's default), then the compiled chunk writes that other platforms use.
-        for host_writes in (True, False):
-            chunks.HOST_WRITES = host_writes
-            reads.clear()
-            sharded = eqx_lean.load_tensors(path, like, names, sharding=shardings)
-            for k, array in sharded.items():
-                assert array.sharding.is_equivalent_to(expected_shardings[k], array.ndim), k
-                assert array.dtype == reference[k].dtype, k
-                np.testing.assert_array_equal(np.asarray(array), np.asarray(unsharded[k]))
-                np.testing.assert_array_equal(np.asarray(array), reference[k])
-                for shard in array.addressable_shards:
-                    np.testing.assert_array_equal(np.asarray(shard.data),
-                                                  reference[k][shard.index])
-            # Each device reads only its own slice of each layer (or of a plain tensor); the
-            # compiled writes read it in chunks: the embedding's 4-row shard one row at a time.
-            assert reads
-            for name, shape in reads:
-                shard = per_layer_shard[name]
-                if host_writes:
-                    assert shape == shard, (name, shape)
-                else:
-                    assert shape[1:] == shard[1:] and 1 <= shape[0] <= shard[0], (name, shape)
-            if not host_writes:
-                assert {{shape for name, shape in reads if name == "embed"}} == {{(1, 8)}}
-        chunks.HOST_WRITES = True
+    def shardings(self, specs: dict[str, P]) -> dict[str, NamedSharding]:
+        return {k: NamedSharding(self.mesh, spec) for k, spec in specs.items()}
 
-        # A sharding carried by the ShapeDtypeStructs of `like`, as Orbax targets do: that of
-        # the stacked leaf, whose layer axis must be replicated.
-        like_sharded = {{k: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=expected_shardings[k])
-                         for k, s in like.items()}}
-        again = eqx_lean.load_tensors(path, like_sharded, names)
-        for k, array in again.items():
-            assert array.sharding.is_equivalent_to(expected_shardings[k], array.ndim), k
-            np.testing.assert_array_equal(np.asarray(array), reference[k])
-        layer_sharded = dict(like_sharded, v=jax.ShapeDtypeStruct(
-            (L, 8), jnp.float32, sharding=NamedSharding(mesh, P("a", "b"))))
-        try:
-            eqx_lean.load_tensors(path, layer_sharded, names)
-        except ValueError as e:
-            assert "leaf ['v'] carries the stacked sharding" in str(e), e
-            assert "layer_axis=" in str(e), e
-        else:
-            raise AssertionError("a like sharding that shards the layer axis was accepted")
 
-        # The layer axis itself is sharded only when asked for, by `layer_axis=`.
-        by_stage = eqx_lean.load_tensors(path, like, names, sharding=P("b"), mesh=mesh,
-                                         layer_axis="a")
-        for k in ("w", "v", "t"):
-            assert by_stage[k].sharding.spec == P("a", "b"), (k, by_stage[k].sharding)
-            np.testing.assert_array_equal(np.asarray(by_stage[k]), reference[k])
-        assert by_stage["emb"].sharding.spec == P("b"), by_stage["emb"].sharding
+@pytest.fixture(scope="module")
+def sharded_checkpoint(tmp_path_factory) -> ShardedCheckpoint:
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((4, 8, 12), dtype=np.float32)
+    v = rng.standard_normal((4, 8), dtype=np.float32)
+    t = rng.standard_normal((4, 8, 12), dtype=np.float32)
+    emb = rng.standard_normal((16, 8), dtype=np.float32)
+    tensors = {"embed": emb}
+    for i in range(4):
+        tensors |= {f"l.{i}.w": w[i], f"l.{i}.v": v[i], f"l.{i}.t": t[i].T.copy()}
+    path = tmp_path_factory.mktemp("sharded") / "m.safetensors"
+    safetensors.numpy.save_file(tensors, path)
+    reference = {"w": w.astype(ml_dtypes.bfloat16), "v": v, "t": t, "emb": emb}
+    return ShardedCheckpoint(path, tensors, reference, mesh_of((2, 4), ("a", "b")))
 
-        # A spec covering the layer axis too (the meaning before 0.2.0) is refused, and says so.
-        bad = dict(shardings, v=NamedSharding(mesh, P(("a", "b"), None)))
-        try:
-            eqx_lean.load_tensors(path, like, names, sharding=bad)
-        except ValueError as e:
-            assert "leaf ['v'] of shape (8,)" in str(e), e
-            assert "Since eqx_lean 0.2.0 `sharding` is per layer" in str(e), e
-        else:
-            raise AssertionError("a spec with one dimension too many was accepted")
 
-        # Saving sharded arrays writes the same tensors (w was cast to bfloat16 on loading).
-        eqx_lean.save_tensors({str(tmp_path / "resaved")!r}, sharded, names, max_shard_bytes=999)
-        resaved = {{}}
-        for f in sorted(pathlib.Path({str(tmp_path / "resaved")!r}).glob("*.safetensors")):
-            resaved |= safetensors.numpy.load_file(f)
-        assert sorted(resaved) == sorted(tensors)
-        for name, value in tensors.items():
-            expected = value.astype(ml_dtypes.bfloat16) if name.endswith(".w") else value
-            assert resaved[name].dtype == expected.dtype, name
-            np.testing.assert_array_equal(resaved[name], expected)
+@pytest.mark.parametrize("host_writes", [True, False], ids=["host_writes", "compiled_writes"])
+def test_sharded_load_on_8_devices_equals_unsharded(
+    sharded_checkpoint, host_writes, monkeypatch, tmp_path
+):
+    """Host writes (CPU's default) and the compiled chunk writes that other platforms use place
+    every leaf in its sharding with the unsharded load's values, each device reading only its
+    own slice; saving the sharded arrays writes the tensors that were loaded."""
+    path, tensors, reference, _ = sharded_checkpoint
+    reads = []
+    host_slice = io_load._host_slice
 
-        print("ok")
-        """,
-        tmp_path,
+    def recording_host_slice(stored, name, index):
+        value = host_slice(stored, name, index)
+        reads.append((name.name, value.shape))
+        return value
+
+    monkeypatch.setattr(io_load, "_host_slice", recording_host_slice)
+    monkeypatch.setattr(io_load, "_CHUNK_BYTES", 2 * 8 * 4)  # compiled writes: a row per call
+    unsharded = eqx_lean.load_tensors(path, SHARDED_LIKE, SHARDED_NAMES)
+    monkeypatch.setattr(chunks, "HOST_WRITES", host_writes)
+    reads.clear()
+    shardings = sharded_checkpoint.shardings(PER_LAYER_SPECS)
+    sharded: dict[str, jax.Array] = eqx_lean.load_tensors(  # pyright: ignore[reportAssignmentType]
+        path, SHARDED_LIKE, SHARDED_NAMES, sharding=shardings
     )
-    assert out.strip().endswith("ok")
+    expected_shardings = sharded_checkpoint.shardings(STACKED_SPECS)
+    for k, array in sharded.items():
+        assert array.sharding.is_equivalent_to(expected_shardings[k], array.ndim), k
+        assert array.dtype == reference[k].dtype, k
+        np.testing.assert_array_equal(np.asarray(array), np.asarray(unsharded[k]))
+        np.testing.assert_array_equal(np.asarray(array), reference[k])
+        for shard in array.addressable_shards:
+            np.testing.assert_array_equal(np.asarray(shard.data), reference[k][shard.index])
+    # Each device reads only its own slice of each layer (or of a plain tensor); the compiled
+    # writes read it in chunks: the embedding's 4-row shard one row at a time.
+    assert reads
+    for name, shape in reads:
+        shard = PER_DEVICE_SHAPES[name]
+        if host_writes:
+            assert shape == shard, (name, shape)
+        else:
+            assert shape[1:] == shard[1:] and 1 <= shape[0] <= shard[0], (name, shape)
+    if not host_writes:
+        assert {shape for name, shape in reads if name == "embed"} == {(1, 8)}
+
+    # Saving sharded arrays writes the same tensors (w was cast to bfloat16 on loading).
+    eqx_lean.save_tensors(tmp_path / "resaved", sharded, SHARDED_NAMES, max_shard_bytes=999)
+    resaved = {}
+    for f in sorted((tmp_path / "resaved").glob("*.safetensors")):
+        resaved |= safetensors.numpy.load_file(f)
+    assert sorted(resaved) == sorted(tensors)
+    for name, value in tensors.items():
+        expected = value.astype(ml_dtypes.bfloat16) if name.endswith(".w") else value
+        assert resaved[name].dtype == expected.dtype, name
+        np.testing.assert_array_equal(resaved[name], expected)
+
+
+def test_like_may_carry_the_stacked_sharding_with_the_layer_axis_replicated(sharded_checkpoint):
+    """The ShapeDtypeStructs of `like` may carry shardings, as Orbax targets do: that of the
+    stacked leaf, whose layer axis must be replicated (one that shards it is refused, naming
+    `layer_axis=`)."""
+    path, _, reference, mesh = sharded_checkpoint
+    expected_shardings = sharded_checkpoint.shardings(STACKED_SPECS)
+    like_sharded = {
+        k: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=expected_shardings[k])
+        for k, s in SHARDED_LIKE.items()
+    }
+    again = eqx_lean.load_tensors(path, like_sharded, SHARDED_NAMES)
+    for k, array in again.items():
+        assert array.sharding.is_equivalent_to(expected_shardings[k], array.ndim), k
+        np.testing.assert_array_equal(np.asarray(array), reference[k])
+    layer_sharded = dict(
+        like_sharded,
+        v=jax.ShapeDtypeStruct((4, 8), jnp.float32, sharding=NamedSharding(mesh, P("a", "b"))),
+    )
+    with pytest.raises(ValueError) as caught:
+        eqx_lean.load_tensors(path, layer_sharded, SHARDED_NAMES)
+    assert "leaf ['v'] carries the stacked sharding" in str(caught.value), caught.value
+    assert "layer_axis=" in str(caught.value), caught.value
+
+
+def test_the_layer_axis_is_sharded_only_when_asked_for_by_layer_axis(sharded_checkpoint):
+    path, _, reference, mesh = sharded_checkpoint
+    by_stage = eqx_lean.load_tensors(
+        path, SHARDED_LIKE, SHARDED_NAMES, sharding=P("b"), mesh=mesh, layer_axis="a"
+    )
+    for k in ("w", "v", "t"):
+        assert by_stage[k].sharding.spec == P("a", "b"), (k, by_stage[k].sharding)
+        np.testing.assert_array_equal(np.asarray(by_stage[k]), reference[k])
+    assert by_stage["emb"].sharding.spec == P("b"), by_stage["emb"].sharding
+
+
+def test_a_spec_covering_the_layer_axis_too_is_refused_and_says_why(sharded_checkpoint):
+    """The meaning of `sharding=` before 0.2.0 (a spec of the stacked leaf, not of one layer's)."""
+    path, _, _, mesh = sharded_checkpoint
+    bad = dict(
+        sharded_checkpoint.shardings(PER_LAYER_SPECS), v=NamedSharding(mesh, P(("a", "b"), None))
+    )
+    with pytest.raises(ValueError) as caught:
+        eqx_lean.load_tensors(path, SHARDED_LIKE, SHARDED_NAMES, sharding=bad)
+    assert "leaf ['v'] of shape (8,)" in str(caught.value), caught.value
+    assert "Since eqx_lean 0.2.0 `sharding` is per layer" in str(caught.value), caught.value
 
 
 def test_one_sharding_for_every_leaf(saved):
@@ -617,49 +605,36 @@ def test_one_sharding_for_every_leaf(saved):
 
 
 def test_orbax_recipe_restores_into_a_sharded_abstract_target(tmp_path):
-    pytest.importorskip("orbax.checkpoint")
-    out = run_script(
-        f"""
-        import equinox as eqx, jax, jax.numpy as jnp, numpy as np
-        import orbax.checkpoint as ocp
-        from jax.sharding import NamedSharding, PartitionSpec as P
-        import eqx_lean
+    ocp = pytest.importorskip("orbax.checkpoint")
 
-        def make_layer(key):
-            return eqx.nn.MLP(8, 8, 16, 1, key=key)
+    def make_layer(key):
+        return eqx.nn.MLP(8, 8, 16, 1, key=key)
 
-        keys = jax.random.split(jax.random.key(0), 4)
-        stacked = eqx_lean.build_stacked(make_layer, keys, jnp.bfloat16)
+    keys = keys_of(4)
+    stacked = eqx_lean.build_stacked(make_layer, keys, jnp.bfloat16)
 
+    with ocp.StandardCheckpointer() as checkpointer:
         # Save: the array leaves only; the static part is code, rebuilt on restore.
-        checkpointer = ocp.StandardCheckpointer()
-        checkpointer.save({str(tmp_path / "orbax")!r}, eqx.filter(stacked, eqx.is_array))
+        checkpointer.save(str(tmp_path / "orbax"), eqx.filter(stacked, eqx.is_array))
         checkpointer.wait_until_finished()
 
         # Restore straight into sharded buffers described by an abstract target.
-        mesh = jax.make_mesh((2, 4), ("layers", "model"))
+        mesh = mesh_of((2, 4), ("layers", "model"))
         abstract = eqx.filter_eval_shape(eqx_lean.build_stacked, make_layer, keys, jnp.bfloat16)
+
         def with_sharding(x):
             spec = P("layers", "model") if x.ndim >= 2 else P("layers")
             return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
-        params, static = eqx.partition(
-            abstract, lambda x: isinstance(x, jax.ShapeDtypeStruct)
-        )
-        target = jax.tree.map(with_sharding, params)
-        restored = eqx.combine(checkpointer.restore({str(tmp_path / "orbax")!r}, target), static)
 
-        for a, b in zip(jax.tree.leaves(eqx.filter(restored, eqx.is_array)),
-                        jax.tree.leaves(eqx.filter(stacked, eqx.is_array)), strict=True):
-            assert a.dtype == b.dtype and a.shape == b.shape
-            assert len(a.addressable_shards) == 8
-            assert a.addressable_shards[0].data.shape[0] == 2  # 4 layers over 2 devices
-            np.testing.assert_array_equal(np.asarray(a).view(np.uint16),
-                                          np.asarray(b).view(np.uint16))
-        print("ok")
-        """,
-        tmp_path,
-    )
-    assert out.strip().endswith("ok")
+        params, static = eqx.partition(abstract, lambda x: isinstance(x, jax.ShapeDtypeStruct))
+        target = jax.tree.map(with_sharding, params)
+        restored = eqx.combine(checkpointer.restore(str(tmp_path / "orbax"), target), static)
+
+    for a, b in zip(arrays(restored), arrays(stacked), strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert len(a.addressable_shards) == 8
+        assert a.addressable_shards[0].data.shape[0] == 2  # 4 layers over 2 devices
+        np.testing.assert_array_equal(bits(a), bits(b))
 
 
 # --------------------------------------------------------------------------------------------
@@ -905,51 +880,46 @@ def test_bad_save_arguments_are_refused(tmp_path):
 def test_build_and_load_give_one_meaning_to_sharding(tmp_path, devices):
     """The same `sharding=`/`mesh=` arguments, to `build_stacked` and `load_stacked`: the same
     shardings (`is_equivalent_to`) and the same values, in every form `sharding=` takes."""
-    run_script(
-        f"""
-        import equinox as eqx, jax, jax.numpy as jnp, numpy as np
-        from jax.sharding import NamedSharding, PartitionSpec as P
-        import eqx_lean
+    mesh = mesh_of((devices,), ("data",))
 
-        assert jax.device_count() == {devices}
-        mesh = jax.make_mesh(({devices},), ("data",))
+    def make(key):
+        return eqx.nn.MLP(16, 8, width_size=32, depth=2, key=key)
 
-        def make(key):
-            return eqx.nn.MLP(16, 8, width_size=32, depth=2, key=key)
+    def names(path, _):
+        return "layers.{i}" + jax.tree_util.keystr(path)
 
-        keys = jax.random.split(jax.random.key(0), 4)
-        names = lambda path, _: "layers.{{i}}" + jax.tree_util.keystr(path)
-        reference = eqx_lean.build_stacked(make, keys, jnp.bfloat16)
-        eqx_lean.save_stacked({str(tmp_path / "ckpt")!r}, reference, names)
-        like = eqx.filter_eval_shape(eqx_lean.build_stacked, make, keys, jnp.bfloat16)
-        prefix = eqx.tree_at(
-            lambda m: (m.layers[0].weight, m.layers[1].weight),
-            jax.tree.map(lambda _: None, make(keys[0])),
-            (P("data"), P(None, "data")),
-            is_leaf=lambda x: x is None,
-        )
-        forms = {{
-            "named": (NamedSharding(mesh, P("data")), None),
-            "spec-and-mesh": (P("data"), mesh),
-            "prefix": (prefix, mesh),
-            "fsdp": (eqx_lean.fsdp(mesh), None),
-        }}
-        for form, (sharding, m) in forms.items():
-            built = eqx_lean.build_stacked(make, keys, jnp.bfloat16, sharding, mesh=m)
-            loaded = eqx_lean.load_stacked({str(tmp_path / "ckpt")!r}, like, names,
-                                           sharding=sharding, mesh=m)
-            arrays = lambda tree: eqx.filter(tree, eqx.is_array)
-            for (path, b), l, r in zip(jax.tree_util.tree_leaves_with_path(arrays(built)),
-                                       jax.tree.leaves(arrays(loaded)),
-                                       jax.tree.leaves(arrays(reference))):
-                where = (form, jax.tree_util.keystr(path))
-                assert b.sharding.is_equivalent_to(l.sharding, b.ndim), (where, b.sharding,
-                                                                        l.sharding)
-                assert b.sharding.spec[0] is None, where  # the layer axis is replicated
-                np.testing.assert_array_equal(np.asarray(b), np.asarray(l), err_msg=str(where))
-                np.testing.assert_array_equal(np.asarray(b), np.asarray(r), err_msg=str(where))
-        print("ok")
-        """,
-        tmp_path,
-        devices=devices,
+    keys = keys_of(4)
+    reference = eqx_lean.build_stacked(make, keys, jnp.bfloat16)
+    eqx_lean.save_stacked(tmp_path / "ckpt", reference, names)
+    like = eqx.filter_eval_shape(eqx_lean.build_stacked, make, keys, jnp.bfloat16)
+    prefix = eqx.tree_at(
+        lambda m: (m.layers[0].weight, m.layers[1].weight),
+        jax.tree.map(lambda _: None, make(keys[0])),
+        (P("data"), P(None, "data")),
+        is_leaf=lambda x: x is None,
     )
+    forms = {
+        "named": (NamedSharding(mesh, P("data")), None),
+        "spec-and-mesh": (P("data"), mesh),
+        "prefix": (prefix, mesh),
+        "fsdp": (eqx_lean.fsdp(mesh), None),
+    }
+    for form, (sharding, m) in forms.items():
+        built = eqx_lean.build_stacked(make, keys, jnp.bfloat16, sharding, mesh=m)
+        loaded = eqx_lean.load_stacked(tmp_path / "ckpt", like, names, sharding=sharding, mesh=m)
+        leaves = zip(
+            jax.tree_util.tree_leaves_with_path(eqx.filter(built, eqx.is_array)),
+            arrays(loaded),
+            arrays(reference),
+            strict=True,
+        )
+        for (path, b), got, want in leaves:
+            where = (form, jax.tree_util.keystr(path))
+            assert b.sharding.is_equivalent_to(got.sharding, b.ndim), (
+                where,
+                b.sharding,
+                got.sharding,
+            )
+            assert b.sharding.spec[0] is None, where  # the layer axis is replicated
+            np.testing.assert_array_equal(bits(b), bits(got), err_msg=str(where))
+            np.testing.assert_array_equal(bits(b), bits(want), err_msg=str(where))
