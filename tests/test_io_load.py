@@ -4,21 +4,21 @@ chunk writes elsewhere, both run here).
 
 (The older load tests, round trips and header checks, are in `tests/test_io.py`.)"""
 
-import json
 import os
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 from pathlib import Path
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
 import safetensors.numpy
+from harness import bits, keys_of, mesh_of
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eqx_lean
@@ -293,8 +293,7 @@ def test_host_and_compiled_writes_cast_transpose_and_place_alike(tmp_path, write
     for key, value in expected.items():
         found = np.asarray(loaded[key])
         assert found.dtype == value.dtype and found.shape == value.shape, key
-        as_bytes = lambda x: np.ascontiguousarray(x).reshape(-1).view(np.uint8)  # noqa: E731
-        np.testing.assert_array_equal(as_bytes(found), as_bytes(value), err_msg=key)
+        np.testing.assert_array_equal(bits(found), bits(value), err_msg=key)
 
 
 def test_loaded_buffers_are_owned_by_xla_so_a_donation_updates_them_in_place(tmp_path, writes):
@@ -314,69 +313,68 @@ def test_loaded_buffers_are_owned_by_xla_so_a_donation_updates_them_in_place(tmp
 # --- shardings ------------------------------------------------------------------------------------
 
 
-def run_script(code: str, tmp_path: Path, devices: int = 8) -> str:
-    script = tmp_path / "script.py"
-    script.write_text(textwrap.dedent(code))
-    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
-    result = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300
+def stack_names(path, _):
+    return "layers.{i}" + jax.tree_util.keystr(path)
+
+
+@pytest.fixture(scope="module")
+def fsdp_checkpoint(tmp_path_factory):
+    """An MLP stack built with `sharding=fsdp(mesh)` on all 8 devices and saved: (the
+    checkpoint, the mesh, the stack, the abstract twin that `filter_eval_shape` gives of that
+    build, whose shardings lie on the abstract mesh)."""
+    mesh = mesh_of((8,), ("data",))
+
+    def make(key):
+        return eqx.nn.MLP(16, 8, width_size=32, depth=2, key=key)
+
+    keys = keys_of(4)
+    like = eqx.filter_eval_shape(
+        eqx_lean.build_stacked, make, keys, jnp.bfloat16, sharding=eqx_lean.fsdp(mesh)
     )
-    assert result.returncode == 0, result.stdout + result.stderr
-    return result.stdout
+    built = eqx_lean.build_stacked(make, keys, jnp.bfloat16, sharding=eqx_lean.fsdp(mesh))
+    path = tmp_path_factory.mktemp("fsdp") / "ckpt"
+    eqx_lean.save_stacked(path, built, stack_names)
+    return path, mesh, built, like
 
 
-def test_like_from_eval_shape_of_a_sharded_build_loads(tmp_path):
+@pytest.mark.parametrize("host_writes", [True, False], ids=["host_writes", "compiled_writes"])
+def test_like_from_eval_shape_of_a_sharded_build_loads(fsdp_checkpoint, host_writes, monkeypatch):
     """`eqx.filter_eval_shape(build_stacked, ..., sharding=fsdp(mesh))` gives shardings on an
     abstract mesh; they are placed on `mesh=`, the mesh set by `jax.set_mesh`, or a mesh of the
-    same axes over every device; a `mesh=` of other axes is refused."""
-    out = run_script(
-        f"""
-        import equinox as eqx, jax, jax.numpy as jnp, numpy as np
-        import eqx_lean
-        from eqx_lean.internal import chunks
+    same axes over every device."""
+    path, mesh, built, like = fsdp_checkpoint
+    assert isinstance(like.layers[0].weight.sharding.mesh, jax.sharding.AbstractMesh)
+    monkeypatch.setattr(chunks, "HOST_WRITES", host_writes)
 
-        mesh = jax.make_mesh((8,), ("data",))
-        make = lambda key: eqx.nn.MLP(16, 8, width_size=32, depth=2, key=key)
-        keys = jax.random.split(jax.random.key(0), 4)
-        like = eqx.filter_eval_shape(eqx_lean.build_stacked, make, keys, jnp.bfloat16,
-                                     sharding=eqx_lean.fsdp(mesh))
-        assert isinstance(like.layers[0].weight.sharding.mesh, jax.sharding.AbstractMesh)
-        built = eqx_lean.build_stacked(make, keys, jnp.bfloat16, sharding=eqx_lean.fsdp(mesh))
-        names = lambda path, _: "layers.{{i}}" + jax.tree_util.keystr(path)
-        eqx_lean.save_stacked({str(tmp_path / "ckpt")!r}, built, names)
-        arrays = lambda tree: jax.tree.leaves(eqx.filter(tree, eqx.is_array))
+    def check(loaded):
+        leaves = zip(
+            jax.tree.leaves(eqx.filter(loaded, eqx.is_array)),
+            jax.tree.leaves(eqx.filter(built, eqx.is_array)),
+            strict=True,
+        )
+        for a, b in leaves:
+            assert a.sharding.is_equivalent_to(b.sharding, a.ndim), (a.sharding, b.sharding)
+            np.testing.assert_array_equal(bits(a), bits(b))
 
-        def check(loaded):
-            for a, b in zip(arrays(loaded), arrays(built), strict=True):
-                assert a.sharding.is_equivalent_to(b.sharding, a.ndim), (a.sharding, b.sharding)
-                np.testing.assert_array_equal(np.asarray(a).view(np.uint16),
-                                              np.asarray(b).view(np.uint16))
+    check(eqx_lean.load_stacked(path, like, stack_names))
+    check(eqx_lean.load_stacked(path, like, stack_names, mesh=mesh))
+    with jax.set_mesh(mesh):
+        check(eqx_lean.load_stacked(path, like, stack_names))
 
-        for host_writes in (True, False):
-            chunks.HOST_WRITES = host_writes
-            check(eqx_lean.load_stacked({str(tmp_path / "ckpt")!r}, like, names))
-            check(eqx_lean.load_stacked({str(tmp_path / "ckpt")!r}, like, names, mesh=mesh))
-            with jax.set_mesh(mesh):
-                check(eqx_lean.load_stacked({str(tmp_path / "ckpt")!r}, like, names))
-        other = jax.make_mesh((2, 4), ("x", "y"))
-        try:
-            eqx_lean.load_stacked({str(tmp_path / "ckpt")!r}, like, names, mesh=other)
-        except ValueError as e:
-            assert "Leaf .layers[0].weight of `like` carries a sharding on" in str(e), e
-            assert "but that mesh has axes" in str(e), e
-        else:
-            raise AssertionError("a mesh of other axes was accepted")
-        print("ok")
-        """,
-        tmp_path,
-    )
-    assert out.strip().endswith("ok")
+
+def test_like_on_an_abstract_mesh_refuses_a_mesh_of_other_axes(fsdp_checkpoint):
+    path, _, _, like = fsdp_checkpoint
+    other = mesh_of((2, 4), ("x", "y"))
+    with pytest.raises(ValueError) as caught:
+        eqx_lean.load_stacked(path, like, stack_names, mesh=other)
+    message = str(caught.value)
+    assert "Leaf .layers[0].weight of `like` carries a sharding on" in message, message
+    assert "but that mesh has axes" in message, message
 
 
 def test_a_sharding_longer_than_the_rank_names_the_leaf(tmp_path, no_allocation):
     path = save(tmp_path, stored(L))
-    mesh = jax.make_mesh((1,), ("d",))
+    mesh = mesh_of((1,), ("d",))
     with pytest.raises(
         ValueError,
         match=r"`sharding`: leaf \['emb'\] of shape \(10, 3\) with spec "
@@ -410,42 +408,23 @@ def test_clear_caches_forgets_the_compiled_chunk_writes_too(tmp_path, monkeypatc
     assert len(CHUNK_WRITES) == 0 and len(WRITES) == 0
 
 
-def test_compiled_chunk_writes_compile_once_whatever_the_device_count(tmp_path):
+@pytest.mark.parametrize("devices", [1, 8])
+@pytest.mark.parametrize("host_writes", [True, False], ids=["host_writes", "compiled_writes"])
+def test_compiled_chunk_writes_compile_once_whatever_the_device_count(
+    tmp_path, devices, host_writes, compiles, monkeypatch
+):
     """Host writes compile nothing; compiled writes compile one program per group (stacked,
     plain) plus one allocation per placement, on 1 device as on 8, where a write used to be
     compiled per device and shape."""
-    tensors = stored(L)
-    path = save(tmp_path, tensors)
-    counts = {}
-    for devices in (1, 8):
-        out = run_script(
-            f"""
-            import jax, numpy as np
-            import eqx_lean
-            from eqx_lean.internal import chunks
-
-            compiles = []
-            jax.monitoring.register_event_duration_secs_listener(
-                lambda event, s, **_: compiles.append(event)
-                if event == "/jax/core/compile/backend_compile_duration" else None)
-            like = {{"w": jax.ShapeDtypeStruct(({L}, 6, 3), np.float32),
-                     "b": jax.ShapeDtypeStruct(({L}, 3), np.float32),
-                     "emb": jax.ShapeDtypeStruct((10, 3), np.float32)}}
-            names = {json.dumps(NAMES | PLAIN)}
-            sharding = eqx_lean.fsdp(jax.make_mesh(({devices},), ("data",)))
-            counts = []
-            for host_writes in (True, False):
-                chunks.HOST_WRITES = host_writes
-                before = len(compiles)
-                eqx_lean.load_tensors({str(path)!r}, like, names, sharding=sharding)
-                counts.append(len(compiles) - before)
-            print(counts)
-            """,
-            tmp_path,
-            devices=devices,
-        )
-        counts[devices] = json.loads(out.strip().splitlines()[-1])
-    assert counts[1] == counts[8] == [0, 3], counts
+    path = save(tmp_path, stored(L))
+    sharding = eqx_lean.fsdp(mesh_of((devices,), ("data",)))
+    monkeypatch.setattr(chunks, "HOST_WRITES", host_writes)
+    # Nothing compiled before (by another test, for the same shapes and mesh) is reused.
+    eqx_lean.clear_caches()
+    jax.clear_caches()
+    before = compiles.count
+    eqx_lean.load_tensors(path, whole_like(), NAMES | PLAIN, sharding=sharding)
+    assert compiles.count - before == (0 if host_writes else 3)
 
 
 def _write_big_checkpoint(path: Path, num_layers: int, rows: int, cols: int, vocab: int) -> int:
@@ -459,36 +438,19 @@ def _write_big_checkpoint(path: Path, num_layers: int, rows: int, cols: int, voc
     return sum(v.nbytes for v in tensors.values())
 
 
-MEMORY_CHILD = """
-import json, sys, jax, jax.numpy as jnp
-import eqx_lean
-from eqx_lean.internal import chunks
-chunks.HOST_WRITES = sys.argv[2] == "host"
-num_layers, rows, cols, vocab = map(int, sys.argv[3:7])
-like = {"w": jax.ShapeDtypeStruct((num_layers, rows, cols), jnp.bfloat16),
-        "embed": jax.ShapeDtypeStruct((vocab, cols), jnp.bfloat16)}
-names = {"w": "layers.{i}.w", "embed": "embed"}
-jax.devices()
-print("idle", flush=True)
-sys.stdin.readline()
-loaded = eqx_lean.load_tensors(sys.argv[1], like, names)
-jax.block_until_ready(loaded)
-print("done", json.dumps(sum(x.nbytes for x in loaded.values())), flush=True)
-sys.stdin.readline()
-"""
-
-
 def _anon_kib(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("RssAnon:"))
 
 
 def _load_overhead(path: Path, mode: str, shape: tuple[int, ...]) -> tuple[float, int]:
-    """(peak anonymous memory over idle minus the loaded bytes, in MiB; the loaded bytes),
-    sampling `RssAnon` every ms from this process (the file is memory-mapped: its pages are
-    page cache, not anonymous memory)."""
+    """(peak anonymous memory over idle minus the loaded bytes, in MiB; the loaded bytes) of
+    a load in a fresh process (`tests/workers/load_memory.py`), sampling its `RssAnon` every ms
+    from this process (the file is memory-mapped: its pages are page cache, not anonymous
+    memory)."""
     child = subprocess.Popen(
-        [sys.executable, "-c", MEMORY_CHILD, str(path), mode, *map(str, shape)],
+        [sys.executable, str(REPO / "tests" / "workers" / "load_memory.py"), str(path), mode]
+        + [str(n) for n in shape],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
