@@ -2,25 +2,20 @@
 Equinox model quantised as they stream, equal to quantising the plain load, with `layers`,
 `dtype`, `strict` and `sharding=` meaning what they mean for every leaf."""
 
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
-
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from harness import assert_bitwise_equal, keys_of, mesh_of
+from jax.sharding import NamedSharding, PartitionSpec as P
 from safetensors.numpy import save_file
 
 import eqx_lean
 from eqx_lean.internal import quant_load
-from eqx_lean.quant import QuantConfig, QuantizedLinear, quantize_linears
+from eqx_lean.quant import QuantConfig, QuantizedLinear, quantize_linears, quantizing
 
 
-REPO = Path(__file__).resolve().parents[1]
 LAYERS, DIM, HIDDEN, VOCAB = 4, 32, 48, 40
 
 
@@ -46,7 +41,7 @@ def make_block(key):
 
 
 def like(layers: int = LAYERS):
-    keys = jax.random.split(jax.random.key(0), layers)
+    keys = keys_of(layers)
     return eqx.filter_eval_shape(
         lambda: Model(
             jnp.zeros((VOCAB, DIM)),
@@ -88,12 +83,10 @@ def checkpoint(tmp_path_factory):
     return path
 
 
-def assert_same(got, expected):
-    """Equal trees, leaf for leaf and bit for bit, static fields (schemes, shapes) included."""
-    assert jax.tree.structure(got) == jax.tree.structure(expected)
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
-        assert a.dtype == b.dtype and a.shape == b.shape
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+def assert_same_values(got, expected):
+    """Equal trees, leaf for leaf and bit for bit, static fields (schemes, shapes) included,
+    wherever their arrays lie: `got` sharded, `expected` not."""
+    assert_bitwise_equal(jax.device_get(got), jax.device_get(expected))
 
 
 CONFIGS = [
@@ -109,7 +102,7 @@ def test_load_tensors_quantised_equals_quantising_the_plain_load(checkpoint, con
     kwargs = dict(dtype=jnp.bfloat16, layers=range(1, 5), strict=False)
     got = eqx_lean.load_tensors(checkpoint, like(), names, quantize=config, **kwargs)
     plain = eqx_lean.load_tensors(checkpoint, like(), names, **kwargs)
-    assert_same(got, quantize_linears(plain, config))
+    assert_bitwise_equal(got, quantize_linears(plain, config))
     # "all-linear" leaves out only a module named `lm_head`: this model's `head` is quantised.
     for linear in (got.blocks.up, got.blocks.down, got.head):
         assert isinstance(linear, QuantizedLinear)
@@ -124,7 +117,7 @@ def test_load_stacked_quantises_the_chosen_linears_only(checkpoint):
     got = eqx_lean.load_stacked(checkpoint, blocks, block_names, layers=4, quantize=config)
     plain = eqx_lean.load_stacked(checkpoint, blocks, block_names, layers=4)
     assert isinstance(got.down, QuantizedLinear) and isinstance(got.up, eqx.nn.Linear)
-    assert_same(got, quantize_linears(plain, config))
+    assert_bitwise_equal(got, quantize_linears(plain, config))
     x = jnp.ones((3, HIDDEN))
     layer = jax.tree.map(lambda a: a[2], got)
     expected = np.asarray(x, np.float64) @ np.asarray(layer.down.weight.dequantize(), np.float64).T
@@ -200,91 +193,94 @@ def test_a_failed_quantised_load_raises_before_reading(checkpoint, monkeypatch):
     assert calls == []
 
 
-def run_script(code: str, tmp_path: Path) -> str:
-    script = tmp_path / "script.py"
-    script.write_text(textwrap.dedent(code))
-    env = dict(os.environ, PYTHONPATH=f"{REPO}:{REPO / 'tests'}", JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-    result = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    return result.stdout
+# --- sharding (the suite's 8 CPU devices) ---------------------------------------------------------
 
 
-def test_quantised_weights_are_sharded_between_rows_of_whole_blocks(checkpoint, tmp_path):
+SHARDED_CONFIGS = [
+    QuantConfig("nf4", blocksize=16),
+    QuantConfig("nf4", double_quant=True, blocksize=16),
+    QuantConfig("int8"),
+]
+
+
+def by_rows_and_columns(mesh):
+    """`sharding=` for the weight: a matrix [out, in] (a layer's, or the head's) split over
+    "model" by rows and "data" by columns, every other leaf replicated."""
+
+    def rule(path, leaf):
+        if leaf.ndim == 2:
+            return NamedSharding(mesh, P("model", "data"))
+        return NamedSharding(mesh, P())
+
+    return rule
+
+
+@pytest.mark.parametrize("config", SHARDED_CONFIGS, ids=lambda c: f"{c.scheme}-dq{c.double_quant}")
+def test_quantised_weights_are_sharded_between_rows_of_whole_blocks(checkpoint, config):
     """On 8 devices, `sharding=` is given for the weight; NF4 codes and scales are split
     between rows over the mesh axes it names, int8 codes keep it; the values equal the
-    unsharded load's; a split that cuts a block is refused, naming the weight."""
-    out = run_script(
-        f"""
-        import jax, jax.numpy as jnp, numpy as np
-        from jax.sharding import NamedSharding, PartitionSpec as P
-        import eqx_lean
-        from eqx_lean.quant import QuantConfig
-        from test_quant_load import like, names, assert_same
-
-        mesh = jax.make_mesh((2, 4), ("data", "model"))
-        path = {str(checkpoint)!r}
-
-        def rule(path, leaf):
-            if leaf.ndim == 2:  # a weight [out, in] of one layer, or the head
-                return NamedSharding(mesh, P("model", "data"))
-            return NamedSharding(mesh, P())
-
-        for config in (QuantConfig("nf4", blocksize=16), QuantConfig("nf4", double_quant=True,
-                       blocksize=16), QuantConfig("int8")):
-            got = eqx_lean.load_tensors(path, like(), names, layers=4, strict=False,
-                                        sharding=rule, quantize=config)
-            plain = eqx_lean.load_tensors(path, like(), names, layers=4, strict=False,
-                                          quantize=config)
-            assert_same(got, plain)
-            up = got.blocks.up.weight
-            if config.scheme == "nf4":
-                assert up.codes.sharding.spec == P(None, ("model", "data")), up.codes.sharding
-                scales = up.scale_bits.codes if config.double_quant else up.scale_bits
-                assert scales.sharding.spec == P(None, ("model", "data")), scales.sharding
-                assert got.head.weight.codes.sharding.spec == P(("model", "data")), got.head
-                # Every device holds 1/8 of the codes: whole rows, whole blocks.
-                shard = up.codes.addressable_shards[0].data
-                assert shard.shape == (4, 48 * 32 // 2 // 8), shard.shape
-            else:
-                assert up.codes.sharding.spec == P(None, "model", "data"), up.codes.sharding
-                assert up.scale_bits.sharding.spec == P(None, "model"), up.scale_bits.sharding
-            # `fold` gathers each layer before it runs, as for any sharded stack.
-            x = jnp.ones((3, 32))
-            run = lambda blocks: eqx_lean.fold(blocks, x, call=lambda b, x: b.down(b.up(x)))
-            np.testing.assert_array_equal(jax.jit(run)(got.blocks), run(plain.blocks))
-
-        # build_stacked's rule sees the codes and scales: split alike into whole blocks, the
-        # stack equals the unsharded build; split apart, refused.
-        from test_quant_load import make_block
-        from eqx_lean.quant import quantizing
-        make = quantizing(make_block, QuantConfig("nf4"), jnp.float32)
-        keys = jax.random.split(jax.random.key(3), 4)
-        fsdp = eqx_lean.fsdp(mesh, ("data", "model"))
-        sharded = eqx_lean.build_stacked(make, keys, sharding=fsdp)
-        assert sharded.up.weight.codes.sharding.spec == P(None, ("data", "model"))
-        assert_same(sharded, eqx_lean.build_stacked(make, keys))
-
-        def codes_only(path, leaf):
-            codes = path[-1] == jax.tree_util.GetAttrKey("codes")
-            return NamedSharding(mesh, P("data") if codes else P())
-
-        try:
-            eqx_lean.build_stacked(make, keys, sharding=codes_only)
-        except ValueError as error:
-            assert "NF4 codes of `up.weight` over mesh axes ('data',)" in str(error), error
-            print("refused build")
-
-        # 48 rows of 32 values in 8 shards: 6 rows, 192 values, not whole blocks of 128.
-        try:
-            eqx_lean.load_tensors(path, like(), names, layers=4, strict=False, sharding=rule,
-                                  quantize=QuantConfig("nf4", blocksize=128))
-        except ValueError as error:
-            assert "`blocks.up.weight`" in str(error) and "whole blocks of 128" in str(error)
-            print("refused")
-        """,
-        tmp_path,
+    unsharded load's."""
+    mesh = mesh_of((2, 4), ("data", "model"))
+    sharding = by_rows_and_columns(mesh)
+    got = eqx_lean.load_tensors(
+        checkpoint, like(), names, layers=4, strict=False, sharding=sharding, quantize=config
     )
-    assert out.split() == ["refused", "build", "refused"]
+    plain = eqx_lean.load_tensors(
+        checkpoint, like(), names, layers=4, strict=False, quantize=config
+    )
+    assert_same_values(got, plain)
+    up = got.blocks.up.weight
+    if config.scheme == "nf4":
+        assert up.codes.sharding.spec == P(None, ("model", "data")), up.codes.sharding
+        scales = up.scale_bits.codes if config.double_quant else up.scale_bits
+        assert scales.sharding.spec == P(None, ("model", "data")), scales.sharding
+        assert got.head.weight.codes.sharding.spec == P(("model", "data")), got.head
+        # Every device holds 1/8 of the codes: whole rows, whole blocks.
+        shard = up.codes.addressable_shards[0].data
+        assert shard.shape == (4, 48 * 32 // 2 // 8), shard.shape
+    else:
+        assert up.codes.sharding.spec == P(None, "model", "data"), up.codes.sharding
+        assert up.scale_bits.sharding.spec == P(None, "model"), up.scale_bits.sharding
+    # `fold` gathers each layer before it runs, as for any sharded stack.
+    x = jnp.ones((3, 32))
+
+    def run(blocks):
+        return eqx_lean.fold(blocks, x, call=lambda b, x: b.down(b.up(x)))
+
+    np.testing.assert_array_equal(jax.jit(run)(got.blocks), run(plain.blocks))
+
+
+def test_a_sharding_that_cuts_a_block_is_refused_naming_the_weight(checkpoint):
+    """48 rows of 32 values in 8 shards: 6 rows, 192 values, not whole blocks of 128."""
+    mesh = mesh_of((2, 4), ("data", "model"))
+    with pytest.raises(ValueError) as caught:
+        eqx_lean.load_tensors(
+            checkpoint,
+            like(),
+            names,
+            layers=4,
+            strict=False,
+            sharding=by_rows_and_columns(mesh),
+            quantize=QuantConfig("nf4", blocksize=128),
+        )
+    assert "`blocks.up.weight`" in str(caught.value), caught.value
+    assert "whole blocks of 128" in str(caught.value), caught.value
+
+
+def test_build_stacked_splits_codes_and_scales_alike_and_refuses_them_split_apart():
+    """`build_stacked`'s rule sees the codes and scales: split alike into whole blocks, the
+    stack equals the unsharded build; split apart, refused."""
+    mesh = mesh_of((2, 4), ("data", "model"))
+    make = quantizing(make_block, QuantConfig("nf4"), jnp.float32)
+    keys = keys_of(4, 3)
+    sharded = eqx_lean.build_stacked(make, keys, sharding=eqx_lean.fsdp(mesh, ("data", "model")))
+    assert sharded.up.weight.codes.sharding.spec == P(None, ("data", "model"))
+    assert_same_values(sharded, eqx_lean.build_stacked(make, keys))
+
+    def codes_only(path, leaf):
+        codes = path[-1] == jax.tree_util.GetAttrKey("codes")
+        return NamedSharding(mesh, P("data") if codes else P())
+
+    with pytest.raises(ValueError) as caught:
+        eqx_lean.build_stacked(make, keys, sharding=codes_only)
+    assert "NF4 codes of `up.weight` over mesh axes ('data',)" in str(caught.value), caught.value
