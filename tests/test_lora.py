@@ -2,16 +2,15 @@
 gradients through `fold`, merge/unmerge, sharding, and PEFT's format by a name function."""
 
 import json
-import os
 import pathlib
-import subprocess
-import sys
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from harness import keys_of, mesh_of
+from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxtyping import Array, PRNGKeyArray
 
 import eqx_lean
@@ -28,7 +27,6 @@ from eqx_lean.lora import (
 )
 
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 DIM, HIDDEN, LAYERS, RANK = 8, 12, 3, 2
 
 
@@ -85,7 +83,7 @@ def loop_forward(model: Model, x: Array) -> Array:
 def randomized(model, seed: int = 1, std: float = 0.3):
     """`model` with every adapter matrix drawn normal (so that `B` is not zero), in the layers
     each adapter is selected for (zero in the others, as training leaves them)."""
-    keys = iter(jax.random.split(jax.random.key(seed), 64))
+    keys = iter(keys_of(64, seed))
 
     def draw(node):
         if not isinstance(node, LoraLinear):
@@ -378,23 +376,78 @@ def test_plain_model_without_a_layer_axis():
 # --- sharding -------------------------------------------------------------------------------------
 
 
-def test_adapters_are_sharded_like_the_base_on_8_devices(tmp_path):
-    env = dict(
-        os.environ,
-        XLA_FLAGS="--xla_force_host_platform_device_count=8",
-        JAX_PLATFORMS="cpu",
-        PYTHONPATH=str(ROOT),
+# On the suite's 8 CPU devices, a 2 x 4 mesh: LoRA adapters of a sharded base are sharded like
+# it (`A`'s input dim as the base's, `B`'s output dim as the base's, the rank replicated, the
+# layer axis as the base's), and a sharded forward matches.
+SHARDED_CONFIG = LoraConfig(r=2, target_modules="all-linear")
+
+
+@pytest.fixture(scope="module")
+def sharded_base():
+    """A stack of 4 linear layers, each weight split over "model" by rows and "data" by
+    columns, and a head split over "data" by rows: `{"layers": ..., "head": ...}`."""
+    mesh = mesh_of((2, 4), ("data", "model"))
+    keys = keys_of(4)
+    stacked = eqx_lean.build_stacked(lambda k: eqx.nn.Linear(16, 16, use_bias=False, key=k), keys)
+    stacked = eqx.tree_at(
+        lambda m: m.weight,
+        stacked,
+        jax.device_put(stacked.weight, NamedSharding(mesh, P(None, "model", "data"))),
     )
-    script = ROOT / "tests" / "lora_sharded.py"
-    done = subprocess.run(
-        [sys.executable, str(script), str(tmp_path / "adapters")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    head = eqx.nn.Linear(16, 8, key=jax.random.key(1))
+    head = eqx.tree_at(
+        lambda m: m.weight, head, jax.device_put(head.weight, NamedSharding(mesh, P("data", None)))
     )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip().endswith("ok")
+    return {"layers": stacked, "head": head}
+
+
+def test_adapters_are_sharded_like_the_base_on_8_devices(sharded_base):
+    lora = add_lora(sharded_base, SHARDED_CONFIG, key=jax.random.key(2))
+    layers, out = lora["layers"], lora["head"]
+    assert layers.lora_A.sharding.spec == P(None, None, "data"), layers.lora_A.sharding
+    assert layers.lora_B.sharding.spec == P(None, "model", None), layers.lora_B.sharding
+    assert out.lora_A.sharding.spec == P(None, None), out.lora_A.sharding
+    assert out.lora_B.sharding.spec == P("data", None), out.lora_B.sharding
+    # The same values as unsharded.
+    plain = add_lora(jax.device_get(sharded_base), SHARDED_CONFIG, key=jax.random.key(2))
+    np.testing.assert_array_equal(np.asarray(layers.lora_A), np.asarray(plain["layers"].lora_A))
+
+
+def test_a_layer_axis_sharded_in_the_base_is_sharded_in_the_adapters(sharded_base):
+    stacked = sharded_base["layers"]
+    mesh = stacked.weight.sharding.mesh
+    by_layer = eqx.tree_at(
+        lambda m: m.weight,
+        stacked,
+        jax.device_put(stacked.weight, NamedSharding(mesh, P("data", "model", None))),
+    )
+    adapted = add_lora(by_layer, LoraConfig(r=2, target_modules=".*"), key=jax.random.key(3))
+    assert adapted.lora_A.sharding.spec == P("data", None, None), adapted.lora_A.sharding
+    assert adapted.lora_B.sharding.spec == P("data", "model", None), adapted.lora_B.sharding
+
+
+def test_loaded_adapters_of_a_sharded_base_are_placed_like_fresh_ones(sharded_base, tmp_path):
+    """And the sharded forward of the loaded adapters matches that of the saved ones."""
+    lora = add_lora(sharded_base, SHARDED_CONFIG, key=jax.random.key(2))
+
+    def adapter_names(path, leaf):
+        del leaf
+        key = jax.tree_util.keystr(path)
+        return key.replace("['layers'].", "layers.{i}.").replace("['head'].", "head.")
+
+    lora = eqx.tree_at(lambda m: m["layers"].lora_B, lora, jnp.ones_like(lora["layers"].lora_B))
+    save_adapters(lora, tmp_path / "adapters", adapter_names)
+    loaded = load_adapters(sharded_base, tmp_path / "adapters", adapter_names)
+    assert loaded["layers"].lora_A.sharding.spec == P(None, None, "data")
+    assert loaded["layers"].lora_B.sharding.spec == P(None, "model", None)
+    x = jnp.ones((3, 16))
+
+    def forward(layer, h):
+        return jnp.tanh(layer.project(h)) * 2
+
+    y = eqx_lean.fold(loaded["layers"], x, call=forward)
+    want = eqx_lean.fold(lora["layers"], x, call=forward)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=1e-6)
 
 
 # --- PEFT's format with a user's name function --------------------------------------------------
@@ -580,7 +633,7 @@ class BenchLayer(eqx.Module):
 @pytest.mark.parametrize("remat", [True, None], ids=["remat", "no-remat"])
 def test_adapter_gradient_temporaries_on_a_bfloat16_base(remat):
     def build():
-        keys = jax.random.split(jax.random.key(0), BENCH_LAYERS)
+        keys = keys_of(BENCH_LAYERS)
         stacked = eqx.filter_vmap(
             lambda k: BenchLayer(eqx.nn.Linear(BENCH_DIM, BENCH_DIM, use_bias=False, key=k))
         )(keys)
