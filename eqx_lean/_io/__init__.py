@@ -7,10 +7,10 @@
 - `checks`: what a checkpoint must hold for a load (layer count, unmapped tensors);
 - `load`: `load_stacked`, `load_tensors`, `checkpoint_tensors`;
 - `save`: `save_stacked`, `save_tensors`;
-- `directory`: a checkpoint directory as one unit (the targets a save refuses; building beside
-  the target and swapping atomically), with `owned` (what a save owns), `carry` (what it
-  carries over or refuses, kept up to date until the swap) and `leftovers` (what saves leave
-  beside their target, their locks, `remove_leftovers`);
+- `directory`: a checkpoint directory as one unit (the destinations a save refuses; building
+  beside the destination and swapping atomically), with `owned` (what a save owns), `carry`
+  (what it carries over or refuses, kept up to date until the swap) and `leftovers` (what saves
+  leave beside their destination, their locks, `remove_leftovers`);
 - `fs`: every filesystem change of a save, each with a hook before and after (fault injection).
 """
 

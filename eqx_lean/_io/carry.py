@@ -1,12 +1,13 @@
-"""Carrying over: the entries of an existing target that a save copies into its new directory.
+"""Carrying over: the entries of an existing destination a save copies into its new directory.
 
-A save lists its target before any work (`list_target`, through `directory.plan`, which refuses
-what it cannot carry), copies what it carries once its own files are written, then lists the
-target again just before the swap and brings its copy up to date (`Carrier.update`), again and
-again until a listing finds nothing new: what another process writes into the target while
-the save runs (a trainer's `trainer_state.json`) is in the new checkpoint.
+A save lists its destination before any work (`list_destination`, through `directory.plan`,
+which refuses what it cannot carry), copies what it carries once its own files are written,
+then lists the destination again just before the swap and brings its copy up to date
+(`Carrier.update`), again and again until a listing finds nothing new: what another process
+writes into the destination while the save runs (a trainer's `trainer_state.json`) is in the
+new checkpoint.
 
-What a listing does with each entry of the target:
+What a listing does with each entry of the destination:
 
 - a top-level name the save **owns** (see `owned`) is skipped, but only as a regular file or a
   link to one: any other kind of entry there would be deleted with the old checkpoint, so it
@@ -16,8 +17,9 @@ What a listing does with each entry of the target:
   `other_weights` says: dropping it would lose it and copying it would duplicate it;
 - **everything else** (tokenizer, generation config, README, subdirectories) is carried over:
   each file is copied (a reflink where the filesystem offers one), never linked, so that
-  nothing outside the target can change; a symbolic link to a file is copied as the file it
-  points to; a link to a directory, or one that points nowhere, is recreated as the same link.
+  nothing outside the destination can change; a symbolic link to a file is copied as the file
+  it points to; a link to a directory, or one that points nowhere, is recreated as the same
+  link.
 """
 
 import errno
@@ -62,7 +64,7 @@ def is_weight_file(name: str) -> bool:
 class Entry(NamedTuple):
     """One entry a save carries over."""
 
-    relative: str  # inside the target, "/"-separated
+    relative: str  # inside the destination, "/"-separated
     kind: Literal["dir", "file", "link"]
     mode: int  # permission bits (of the directory, or of the file copied)
     link: str = ""  # the text of a link recreated as it is
@@ -76,9 +78,9 @@ def _version(info: os.stat_result) -> tuple[int, ...]:
 
 
 class Listing(NamedTuple):
-    """What a save does with each entry of an existing target, as one listing found it."""
+    """What a save does with each entry of an existing destination, as one listing found it."""
 
-    mode: int  # the target's permission bits
+    mode: int  # the destination's permission bits
     carried: dict[str, Entry]  # by relative path; each directory before its contents
     owned_modes: dict[str, int]  # permission bits of the owned regular files, by name
     misowned: list[str]  # entries under an owned name that are not regular files
@@ -86,23 +88,23 @@ class Listing(NamedTuple):
     problems: list[str]  # entries the save must copy or delete but cannot
 
 
-def list_target(
-    target: Path, owns: Owner, other_weights: OtherWeights, mounts: set[str]
+def list_destination(
+    destination: Path, owns: Owner, other_weights: OtherWeights, mounts: set[str]
 ) -> Listing | None:
-    """Lists the target `target` (links resolved), or returns `None` if it is missing.
+    """Lists the directory `destination` (links resolved), or returns `None` if it is missing.
 
     **Arguments:**
 
-    - `target`: the directory a save replaces.
+    - `destination`: the directory a save replaces.
     - `owns`: the save's `owned.Owner`.
     - `other_weights`: as for `save_stacked`.
     - `mounts`: the mount points (`directory._mount_points()`), never carried.
     """
     try:
-        target_info = os.stat(target)
+        destination_info = os.stat(destination)
     except (FileNotFoundError, NotADirectoryError):
         return None
-    listing = Listing(stat.S_IMODE(target_info.st_mode), {}, {}, [], [], [])
+    listing = Listing(stat.S_IMODE(destination_info.st_mode), {}, {}, [], [], [])
 
     def add(entry: Entry) -> None:
         listing.carried[entry.relative] = entry
@@ -135,7 +137,7 @@ def list_target(
                 return
         mode = stat.S_IMODE(info.st_mode)
         if stat.S_ISDIR(info.st_mode):
-            if info.st_dev != target_info.st_dev or os.fspath(source) in mounts:
+            if info.st_dev != destination_info.st_dev or os.fspath(source) in mounts:
                 # Its files would be copied, then deleted with the old checkpoint.
                 listing.problems.append(f"{relative}/ (a mount point, another filesystem's data)")
             elif _denied(source, os.R_OK | os.X_OK) or (
@@ -157,9 +159,9 @@ def list_target(
             listing.problems.append(f"{relative} (neither a file, a directory nor a link)")
 
     try:
-        scan(target, "")
-    except (FileNotFoundError, NotADirectoryError):  # the whole target went away meanwhile
-        if not os.path.isdir(target):
+        scan(destination, "")
+    except (FileNotFoundError, NotADirectoryError):  # the whole destination went away meanwhile
+        if not os.path.isdir(destination):
             return None
         raise
     return listing
@@ -192,19 +194,19 @@ def _check_owned(source: Path, info: os.stat_result, owner: str, listing: Listin
     listing.misowned.append(f"{source.name!r} ({what}), the name of {owner}")
 
 
-def refuse(target: Path, listing: Listing, stage: str) -> None:
+def refuse(destination: Path, listing: Listing, stage: str) -> None:
     """Raises if `listing` holds anything the save must not drop, copy or delete.
 
     **Arguments:**
 
-    - `target`: the directory listed.
-    - `listing`: from `list_target`.
+    - `destination`: the directory listed.
+    - `listing`: from `list_destination`.
     - `stage`: how the message ends: "Nothing was written." before any work, or what became
         of the save during it.
     """
     if listing.misowned:
         raise ValueError(
-            f"{target} holds {_listed(listing.misowned)}. A save writes its own regular file "
+            f"{destination} holds {_listed(listing.misowned)}. A save writes its own regular file "
             "under that name and deletes the old entry with the old checkpoint, so it would "
             "delete this one and all it holds. An entry under a name the save writes must be a "
             "regular file (or a symbolic link to one): move or rename it, or give the save "
@@ -212,7 +214,7 @@ def refuse(target: Path, listing: Listing, stage: str) -> None:
         )
     if listing.others:
         raise ValueError(
-            f"{target} holds weight files that this save does not own: "
+            f"{destination} holds weight files that this save does not own: "
             f"{_listed([repr(o) for o in listing.others])}. A save replaces the whole "
             "directory, so it would either lose them or copy them. Pass "
             '`other_weights="keep"` to copy them into the new checkpoint, or '
@@ -222,10 +224,10 @@ def refuse(target: Path, listing: Listing, stage: str) -> None:
     if listing.problems:
         raise PermissionError(
             errno.EACCES,
-            f"a save of {target} must copy (or later delete) every entry it does not own, but "
+            f"a save of {destination} must copy (or later delete) every entry it does not own, but "
             f"cannot: {'; '.join(listing.problems[:5])}. Fix or move them. "
             + stage.removesuffix("."),
-            os.fspath(target),
+            os.fspath(destination),
         )
 
 
@@ -235,11 +237,11 @@ def _listed(items: list[str]) -> str:
 
 
 class Carrier:
-    """The copy, in a save's new directory, of the entries it carries over from the target.
+    """The copy, in a save's new directory, of the entries it carries over from the destination.
 
     **Arguments:**
 
-    - `source`: the target.
+    - `source`: the destination, which the entries are copied from.
     - `new`: the save's new directory.
     """
 
@@ -251,7 +253,7 @@ class Carrier:
 
     def update(self, carried: Mapping[str, Entry]) -> list[str]:
         """Makes the copy match a listing's `carried` entries: copies what is new or changed
-        (by kind, inode, size, mtime or mode), deletes what the target no longer holds.
+        (by kind, inode, size, mtime or mode), deletes what the destination no longer holds.
 
         **Returns:**
 
@@ -275,15 +277,15 @@ class Carrier:
         return changed
 
     def _copy(self, entry: Entry) -> None:
-        destination = self.new / entry.relative
+        copy = self.new / entry.relative
         if entry.kind == "dir":
-            fs.mkdir(destination, 0o700)  # its mode is set once it is complete
+            fs.mkdir(copy, 0o700)  # its mode is set once it is complete
         elif entry.kind == "link":
-            fs.symlink(entry.link, destination)
+            fs.symlink(entry.link, copy)
         else:
             source = self.source / entry.relative
             try:
-                copied = fs.copy_file(source, destination)
+                copied = fs.copy_file(source, copy)
             except (FileNotFoundError, ValueError):
                 if _is_file(source):
                     raise

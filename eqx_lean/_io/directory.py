@@ -1,17 +1,17 @@
-"""A checkpoint directory as one unit: built complete beside its target, flushed, swapped in.
+"""A checkpoint directory as one unit: built complete beside its destination, flushed, swapped in.
 
 A save never changes a file of the old checkpoint: it writes a new directory
-`.<name>.tmp-<token>` beside the target (`leftovers`), fills it with its own files (`owned`),
-then with copies of everything else the target holds (`carry`), lists the target again until
-its copy is up to date, flushes it, and swaps it with the target in one atomic step
-(`renameat2(RENAME_EXCHANGE)`); only then does it delete the old checkpoint, which the swap has
-moved to the temporary name. Every change goes through `eqx_lean._io.fs`.
+`.<name>.tmp-<token>` beside the destination (`leftovers`), fills it with its own files
+(`owned`), then with copies of everything else the destination holds (`carry`), lists the
+destination again until its copy is up to date, flushes it, and swaps it with the destination
+in one atomic step (`renameat2(RENAME_EXCHANGE)`); only then does it delete the old checkpoint,
+which the swap has moved to the temporary name. Every change goes through `eqx_lean._io.fs`.
 
 Two saves may race: each swaps its own complete directory in, and the last swap wins. When the
-target did not exist when a save began but does when it swaps (another first save got there
-first), the save treats it as any existing target: it carries over what that directory holds
-beyond the names it owns, and exchanges with it, so the outcome is that of the two saves run
-one after the other.
+destination did not exist when a save began but does when it swaps (another first save got
+there first), the save treats it as any existing destination: it carries over what that
+directory holds beyond the names it owns, and exchanges with it, so the outcome is that of the
+two saves run one after the other.
 """
 
 import contextlib
@@ -30,12 +30,12 @@ from .carry import OtherWeights
 from .owned import Owner
 
 
-# Listings of the target after its first copy, at most, before a save swaps: each copies what
-# appeared or changed since the last one. A file appended to without pause never settles.
+# Listings of the destination after its first copy, at most, before a save swaps: each copies
+# what appeared or changed since the last one. A file appended to without pause never settles.
 RELISTS = 5
-# Swaps tried, at most, when the target is made, replaced or deleted just before one. Each try
-# lost means another process changed the target meanwhile (another save swapped, say), so
-# saves as a whole go on; a save racing more than this many others fails, saying so.
+# Swaps tried, at most, when the destination is made, replaced or deleted just before one. Each
+# try lost means another process changed the destination meanwhile (another save swapped, say),
+# so saves as a whole go on; a save racing more than this many others fails, saying so.
 SWAP_TRIES = 8
 # Seconds a save waits, at most, for an exclusive lock on the directory it will swap out to go
 # (a leftover probe's, held a moment) before it goes on without its own.
@@ -52,7 +52,7 @@ def _warn(message: str) -> None:
     warnings.warn(message, UserWarning, stacklevel=level)
 
 
-# --- the target ---------------------------------------------------------------------------------
+# --- the destination ----------------------------------------------------------------------------
 
 
 # Test seam: tests/test_io_save.py adds mount points to it.
@@ -82,7 +82,7 @@ def _refuse(path: object, reason: str) -> ValueError:
     )
 
 
-def resolve_target(path: str | os.PathLike) -> tuple[Path, os.stat_result | None]:
+def resolve_destination(path: str | os.PathLike) -> tuple[Path, os.stat_result | None]:
     """The directory a save replaces (a symbolic link is followed; the link itself is kept),
     and its `stat`; refuses, before any work, a directory that cannot be replaced."""
     given = fs.path_argument(path)
@@ -98,22 +98,22 @@ def resolve_target(path: str | os.PathLike) -> tuple[Path, os.stat_result | None
             f"is a symbolic link to {os.readlink(given)!r}, which does not exist. Create that "
             "directory or remove the link.",
         )
-    target = Path(os.path.realpath(given))
-    if target.parent == target or is_mount_point(target):
+    destination = Path(os.path.realpath(given))
+    if destination.parent == destination or is_mount_point(destination):
         raise _refuse(
             given,
-            f"is {target}, a mount point: it cannot be replaced by another directory. Save into "
-            "a directory inside it.",
+            f"is {destination}, a mount point: it cannot be replaced by another directory. Save "
+            "into a directory inside it.",
         )
     cwd = Path(os.getcwd())
-    if target == cwd or target in cwd.parents:
+    if destination == cwd or destination in cwd.parents:
         raise _refuse(
             given,
-            f"is {target}, which holds the current working directory, so it cannot be replaced. "
-            "Change directory first or save elsewhere.",
+            f"is {destination}, which holds the current working directory, so it cannot be "
+            "replaced. Change directory first or save elsewhere.",
         )
     try:
-        info = os.stat(target)
+        info = os.stat(destination)
     except (FileNotFoundError, NotADirectoryError):
         info = None
     if info is not None and not stat.S_ISDIR(info.st_mode):
@@ -128,14 +128,14 @@ def resolve_target(path: str | os.PathLike) -> tuple[Path, os.stat_result | None
                 "its files. Make it writable (`chmod u+w`) to replace it. Nothing was written",
                 given,
             )
-        if not os.access(target, os.R_OK | os.W_OK | os.X_OK):
+        if not os.access(destination, os.R_OK | os.W_OK | os.X_OK):
             raise PermissionError(
                 errno.EACCES,
                 f"`path` must be a directory this user can read and write, but {given} (mode "
                 f"{mode:04o}, owner uid {info.st_uid}) is not. Nothing was written",
                 given,
             )
-    ancestor = target.parent
+    ancestor = destination.parent
     while not os.path.lexists(ancestor):
         ancestor = ancestor.parent
     if not ancestor.is_dir():
@@ -150,7 +150,7 @@ def resolve_target(path: str | os.PathLike) -> tuple[Path, os.stat_result | None
             "cannot write there. Nothing was written",
             os.fspath(ancestor),
         )
-    return target, info
+    return destination, info
 
 
 class SavePlan(NamedTuple):
@@ -171,8 +171,8 @@ class SavePlan(NamedTuple):
 
 
 def plan(path: str | os.PathLike, owns: Owner, other_weights: OtherWeights) -> SavePlan:
-    """Checks `path` and sorts the entries of an existing target into owned, carried over and
-    refused (see `carry`), before anything is written; warns about leftovers of saves that
+    """Checks `path` and sorts the entries of an existing destination into owned, carried over
+    and refused (see `carry`), before anything is written; warns about leftovers of saves that
     died.
 
     **Arguments:**
@@ -190,34 +190,40 @@ def plan(path: str | os.PathLike, owns: Owner, other_weights: OtherWeights) -> S
         raise ValueError(
             f'`other_weights` must be "refuse", "keep" or "drop"; got {other_weights!r}.'
         )
-    target, info = resolve_target(path)
+    destination, info = resolve_destination(path)
     listing = None
     if info is not None:
-        listing = carry.list_target(target, owns, other_weights, _mount_points())
+        listing = carry.list_destination(destination, owns, other_weights, _mount_points())
     if listing is not None:
-        carry.refuse(target, listing, "Nothing was written.")
-    dead = leftovers.unlocked(target)
+        carry.refuse(destination, listing, "Nothing was written.")
+    dead = leftovers.unlocked(destination)
     if dead:
         _warn(
-            f"eqx_lean: beside {target} lie leftovers of saves of it that died (no running "
+            f"eqx_lean: beside {destination} lie leftovers of saves of it that died (no running "
             f"save holds them): {', '.join(p.name for p in dead)}. They are not the "
-            f"checkpoint; `eqx_lean.remove_leftovers({os.fspath(target)!r})` deletes them, or "
-            "renames an old checkpoint back where the directory is missing."
+            f"checkpoint; `eqx_lean.remove_leftovers({os.fspath(destination)!r})` deletes them, "
+            "or renames an old checkpoint back where the directory is missing."
         )
     if info is None or listing is None:
-        return SavePlan(target, None, 0o777, {}, {}, owns, other_weights)
+        return SavePlan(destination, None, 0o777, {}, {}, owns, other_weights)
     identity = (info.st_dev, info.st_ino)
     return SavePlan(
-        target, identity, listing.mode, listing.carried, listing.owned_modes, owns, other_weights
+        destination,
+        identity,
+        listing.mode,
+        listing.carried,
+        listing.owned_modes,
+        owns,
+        other_weights,
     )
 
 
 # --- building and swapping ----------------------------------------------------------------------
 
 
-def _make_parents(target: Path) -> None:
+def _make_parents(destination: Path) -> None:
     missing = []
-    parent = target.parent
+    parent = destination.parent
     while not parent.exists():
         missing.append(parent)
         parent = parent.parent
@@ -275,8 +281,9 @@ def replace(planned: SavePlan, write_owned: Callable[[Path, Mapping[str, int]], 
 
 
 def _settle(planned: SavePlan, carrier: carry.Carrier) -> carry.Listing | None:
-    """Lists the target again and brings the copy up to date, until a listing finds nothing new
-    (`RELISTS` listings at most); returns the last listing (`None` if the target is missing).
+    """Lists the destination again and brings the copy up to date, until a listing finds nothing
+    new (`RELISTS` listings at most); returns the last listing (`None` if the destination is
+    missing).
 
     A weight file that appears while the save runs is copied even with
     `other_weights="refuse"`: it is too late to ask, and losing it is worse than copying it.
@@ -285,7 +292,7 @@ def _settle(planned: SavePlan, carrier: carry.Carrier) -> carry.Listing | None:
     changed: list[str] = []
     listing = None
     for _ in range(RELISTS):
-        listing = carry.list_target(planned.path, planned.owns, policy, _mount_points())
+        listing = carry.list_destination(planned.path, planned.owns, policy, _mount_points())
         if listing is None:
             return None  # deleted meanwhile: what was copied from it stays in the new one
         carry.refuse(
@@ -388,8 +395,8 @@ def _hold_swapped_out(old: Path, occupant: tuple[int, int] | None, locks: contex
     """Locks what the swap moved to `old` if it is not the directory locked before the swap.
 
     Saves swap one at a time (`fs.swapping_in`), so that happens only when a process that is
-    no eqx_lean save replaced the target between the identity check and the swap (or where the
-    parent directory could not be locked). Locking it at once keeps the window in which it
+    no eqx_lean save replaced the destination between the identity check and the swap (or where
+    the parent directory could not be locked). Locking it at once keeps the window in which it
     lies unlocked at `old` to that of two system calls.
     """
     if _identity(old) != occupant:

@@ -1,7 +1,7 @@
-"""What saves leave beside their target, how a live save's is told from a dead one's, and
+"""What saves leave beside their destination, how a live save's is told from a dead one's, and
 `remove_leftovers`.
 
-A save builds its new checkpoint in `.<name>.tmp-<token>` beside the target `<name>` and, where
+A save builds its new checkpoint in `.<name>.tmp-<token>` beside the destination `<name>` and, where
 no atomic exchange exists, moves the old one aside to `.<name>.old-<token>` for a moment. It
 holds a shared `flock` on its new directory from its creation to the save's end (and on the
 old one from before its last listing of it), so a leftover on which an exclusive lock is granted
@@ -20,22 +20,22 @@ from . import fs
 _TOKEN = re.compile(r"(?P<kind>tmp|old)-[0-9a-f]{8}")
 
 
-def _prefix(target: Path) -> str:
+def _prefix(destination: Path) -> str:
     # A file name is at most 255 bytes; keep room for the prefix and the token.
-    return f".{target.name[:200]}."
+    return f".{destination.name[:200]}."
 
 
-def leftover_name(target: Path, kind: str) -> Path:
-    """A fresh `.<name>.<kind>-<token>` beside `target` (`kind` is "tmp" or "old")."""
+def leftover_name(destination: Path, kind: str) -> Path:
+    """A fresh `.<name>.<kind>-<token>` beside `destination` (`kind` is "tmp" or "old")."""
     token = os.urandom(4).hex()
-    return target.parent / f"{_prefix(target)}{kind}-{token}"
+    return destination.parent / f"{_prefix(destination)}{kind}-{token}"
 
 
-def leftovers_of(target: Path) -> list[Path]:
-    """The directories beside `target` named as its saves' leftovers, live saves' included."""
-    prefix = _prefix(target)
+def leftovers_of(destination: Path) -> list[Path]:
+    """The directories beside `destination` named as its saves' leftovers, live saves' included."""
+    prefix = _prefix(destination)
     try:
-        entries = os.scandir(target.parent)
+        entries = os.scandir(destination.parent)
     except (FileNotFoundError, NotADirectoryError):
         return []
     with entries:
@@ -48,12 +48,12 @@ def leftovers_of(target: Path) -> list[Path]:
         )
 
 
-def make_locked_dir(target: Path, mode: int, locks: ExitStack, made: list[Path]) -> Path:
-    """Creates a save's new directory `.<name>.tmp-<token>` beside `target`, with `mode`, and
+def make_locked_dir(destination: Path, mode: int, locks: ExitStack, made: list[Path]) -> Path:
+    """Creates a save's new directory `.<name>.tmp-<token>` beside `destination`, with `mode`, and
     locks it until `locks` closes; appends each name to `made` before creating it (so that the
     caller can delete it if this fails)."""
     for _ in range(3):
-        made.append(leftover_name(target, "tmp"))
+        made.append(leftover_name(destination, "tmp"))
         fs.mkdir(made[-1], mode)
         fd = fs.lock(made[-1], shared=True)
         if fd is not None:
@@ -64,20 +64,20 @@ def make_locked_dir(target: Path, mode: int, locks: ExitStack, made: list[Path])
         # it yet: delete it (whichever of us comes second finds it gone) and start again.
         fs.remove(made.pop())
     raise RuntimeError(
-        f"a save of {target} could not lock its new directory beside it: three times, another "
+        f"a save of {destination} could not lock its new directory beside it: three times, another "
         "process (`eqx_lean.remove_leftovers`?) took it first. Nothing was written."
     )
 
 
-def unlocked(target: Path) -> list[Path]:
-    """The leftovers of `target`'s saves that no process holds: left by saves that died.
+def unlocked(destination: Path) -> list[Path]:
+    """The leftovers of `destination`'s saves that no process holds: left by saves that died.
 
     Empty ones are passed over: a save creates its directory empty and locks it at once, and
     taking the lock in between would make it start again; a dead save's empty one costs
     nothing (and `remove_leftovers` deletes it).
     """
     found = []
-    for leftover in leftovers_of(target):
+    for leftover in leftovers_of(destination):
         try:
             with os.scandir(leftover) as entries:
                 if next(entries, None) is None:
@@ -132,12 +132,12 @@ def remove_leftovers(path: str | os.PathLike) -> Leftovers:
     `Path` of the directory renamed back to `path`, or `None`) and `skipped_locked` (a list
     of the `Path`s held by running saves).
     """
-    target = Path(os.path.realpath(fs.path_argument(path)))
+    destination = Path(os.path.realpath(fs.path_argument(path)))
     removed: list[Path] = []
     skipped: list[Path] = []
     restored: Path | None = None
-    found = leftovers_of(target)
-    olds = [p for p in found if p.name[len(_prefix(target)) :].startswith("old-")]
+    found = leftovers_of(destination)
+    olds = [p for p in found if p.name[len(_prefix(destination)) :].startswith("old-")]
     tmps = [p for p in found if p not in olds]
     olds.sort(key=_moved_at, reverse=True)  # the last one moved aside first
     for leftover in tmps + olds:
@@ -147,9 +147,9 @@ def remove_leftovers(path: str | os.PathLike) -> Leftovers:
                 skipped.append(leftover)
             continue
         try:
-            if leftover in olds and restored is None and not os.path.lexists(target):
+            if leftover in olds and restored is None and not os.path.lexists(destination):
                 try:
-                    fs.rename(leftover, target)
+                    fs.rename(leftover, destination)
                     restored = leftover
                     continue
                 except FileExistsError:

@@ -2,7 +2,7 @@
 
 A save writes each of these names anew, as a regular file, and drops the old entry of that name
 with the old checkpoint; it owns a name only while the old entry is a regular file (or a
-symbolic link to one): see `carry.list_target`, which refuses any other kind of entry there.
+symbolic link to one): see `carry.list_destination`, which refuses any other kind of entry there.
 """
 
 import os

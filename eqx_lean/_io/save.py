@@ -374,8 +374,8 @@ def save_stacked(
     everything else (tokenizer, `config.json`, README, subdirectories), never through a link,
     except weight files it does not own, which it refuses (see `other_weights`); just before
     the swap it lists the directory again and copies what other processes wrote meanwhile.
-    Targets it cannot replace (the current directory, a mount point, a directory without owner
-    write permission) are refused before anything is written. See
+    Destinations it cannot replace (the current directory, a mount point, a directory without
+    owner write permission) are refused before anything is written. See
     [the I/O guide](../io.md#saving).
 
     **Arguments:**
