@@ -43,8 +43,8 @@ from typing import Any, Literal, NamedTuple
 
 Hook = Callable[[str, str, tuple[str, ...]], None]
 
-# Test seam: the kill sweeps (tests/save_children.py, save_faults.py) and tests/test_io.py append
-# hooks here; other tests add them with `hooked`.
+# Test seam: the kill sweeps (tests/save_children.py, save_faults.py) append hooks here; other
+# tests and tests/workers/slow_save.py add them with `hooked`.
 HOOKS: list[Hook] = []
 """Called before and after every operation of this module: `hook(when, op, paths)`, with `op`
 one of mkdir, create, write, chmod, fsync, copy, symlink, fsync_dir, rename, exchange, unlink,
