@@ -6,13 +6,13 @@ path, eagerly and under `jit`, `vmap`, `grad` and `eqx.filter_eval_shape`.
 
 import subprocess
 import sys
-import textwrap
+from pathlib import Path
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
+from harness import assert_bitwise_equal
 
 import eqx_lean
 from eqx_lean.internal import (
@@ -27,6 +27,7 @@ from eqx_lean.internal import (
 )
 
 
+WORKER = Path(__file__).with_name("workers") / "private_jax_env.py"
 TINY = BlockConfig(num_layers=3, dim=16, hidden=24, heads=2, kv_heads=1)
 KEYS = jax.random.split(jax.random.key(3), 3)
 
@@ -38,17 +39,6 @@ def make_block(key):
 def scaled_draw(scale):
     # Large enough (>= 2**16 counters) to take the unrolled hash when the override is on.
     return lambda key: {"w": jax.random.normal(key, (256, 300)) * scale, "b": jnp.zeros(3)}
-
-
-def assert_bitwise(a, b):
-    assert jax.tree.structure(a) == jax.tree.structure(b)
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        if isinstance(x, jax.ShapeDtypeStruct):
-            assert (x.shape, x.dtype) == (y.shape, y.dtype)
-            continue
-        assert x.dtype == y.dtype
-        x_bytes = np.atleast_1d(np.asarray(x)).view(np.uint8)
-        np.testing.assert_array_equal(x_bytes, np.atleast_1d(np.asarray(y)).view(np.uint8))
 
 
 def every_use(tmp_path):
@@ -108,7 +98,7 @@ def test_forced_fallbacks_give_the_same_values(tmp_path):
         fallback = every_use(tmp_path / "fallback")
     assert sorted(normal) == sorted(fallback)
     for name in normal:
-        assert_bitwise(fallback[name], normal[name])
+        assert_bitwise_equal(fallback[name], normal[name])
 
 
 def test_a_jax_without_the_lowering_hook_takes_the_fallback(monkeypatch, tmp_path):
@@ -124,7 +114,7 @@ def test_a_jax_without_the_lowering_hook_takes_the_fallback(monkeypatch, tmp_pat
         assert compat._lowering_api() is None
         assert not can_override_lowering()
         eqx_lean.clear_caches()
-        assert_bitwise(eqx_lean.build_stacked(make_block, KEYS, jnp.bfloat16), normal)
+        assert_bitwise_equal(eqx_lean.build_stacked(make_block, KEYS, jnp.bfloat16), normal)
     finally:
         compat._lowering_api.cache_clear()
         eqx_lean.clear_caches()
@@ -156,19 +146,9 @@ def test_a_jax_without_shard_alike_runs_on_one_device_and_says_so_on_several(mon
 
 @pytest.mark.parametrize("value", ["1", "0"])
 def test_the_environment_variable_forces_the_fallbacks(value):
-    code = textwrap.dedent(
-        """
-        import jax, jax.numpy as jnp
-        import eqx_lean
-        from eqx_lean.internal import can_override_lowering
-        keys = jax.random.split(jax.random.key(0), 2)
-        built = eqx_lean.build_stacked(lambda k: jax.random.normal(k, (256, 300)), keys)
-        print(can_override_lowering(), float(built.sum()))
-        """
-    )
     env = {"EQX_LEAN_NO_PRIVATE_JAX": value, "JAX_PLATFORMS": "cpu", "PATH": ""}
     out = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+        [sys.executable, str(WORKER)], env=env, capture_output=True, text=True, check=True
     ).stdout.split()
     assert out[0] == ("False" if value == "1" else "True")
     keys = jax.random.split(jax.random.key(0), 2)

@@ -7,7 +7,6 @@ import os
 import stat
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -15,23 +14,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Runs the command line in-process with JAX's compilation events counted; prints them as JSON.
-_COUNTED_CLI = """
-import collections, json, sys
-import jax
-counts = collections.Counter()
-jax.monitoring.register_event_listener(lambda event, **_: counts.update([event]))
-from examples.mistral7b.__main__ import main
-sys.argv = ["python -m examples.mistral7b", *sys.argv[1:]]
-main()
-prefix = "/jax/compilation_cache/"
-print(json.dumps({k[len(prefix):]: v for k, v in counts.items() if k.startswith(prefix)}))
-"""
+WORKERS = ROOT / "tests" / "workers"
 
 
-def _python(code: str, env: dict[str, str], *args: str, base: dict | None = None) -> str:
+def _python(worker: str, env: dict[str, str], *args: str, base: dict | None = None) -> str:
+    """Runs `tests/workers/<worker>` with `args` in a fresh process; returns what it printed."""
     done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code), *args],
+        [sys.executable, str(WORKERS / worker), *args],
         cwd=ROOT,
         env={**(base or os.environ), "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", **env},
         capture_output=True,
@@ -42,27 +31,29 @@ def _python(code: str, env: dict[str, str], *args: str, base: dict | None = None
     return done.stdout
 
 
-def _where(env: dict[str, str], call: str = "eqx_lean.use_compilation_cache()") -> dict:
-    code = f"""
-        import json, jax, eqx_lean
-        path = {call}
-        where = None if path is None else str(path)
-        print(json.dumps([where, jax.config.jax_compilation_cache_dir]))
-    """
-    path, configured = json.loads(_python(code, env).splitlines()[-1])
-    return {"returned": path, "configured": configured}
+def _cache_dir(env: dict[str, str], *directory: str, base: dict | None = None) -> dict:
+    """`use_compilation_cache(*directory)` in a fresh process with `env`: what it returned,
+    what JAX was configured with, and the machine's key."""
+    return json.loads(
+        _python("compilation_cache_dir.py", env, *directory, base=base).splitlines()[-1]
+    )
+
+
+def _where(env: dict[str, str], *directory: str) -> dict:
+    found = _cache_dir(env, *directory)
+    return {"returned": found["returned"], "configured": found["configured"]}
+
+
+def _counted_cli(env: dict[str, str], *args: str) -> str:
+    """`python -m examples.mistral7b ARGS` in a fresh process; its output, then a JSON line of
+    JAX's compilation-cache events (`tests/workers/counted_cli.py`)."""
+    return _python("counted_cli.py", env, *args)
 
 
 def test_the_default_directory_is_per_machine_and_private(tmp_path):
-    code = """
-        import json, jax, eqx_lean
-        from eqx_lean.internal import machine_key
-        path = eqx_lean.use_compilation_cache()
-        print(json.dumps([str(path), jax.config.jax_compilation_cache_dir, machine_key()]))
-    """
     unset = {k: v for k, v in os.environ.items() if k != "EQX_LEAN_COMPILATION_CACHE"}
-    out = _python(code, {"XDG_CACHE_HOME": str(tmp_path)}, base=unset)
-    path, configured, key = json.loads(out.splitlines()[-1])
+    found = _cache_dir({"XDG_CACHE_HOME": str(tmp_path)}, base=unset)
+    path, configured, key = found["returned"], found["configured"], found["machine_key"]
     assert path == configured == str(tmp_path / "eqx_lean" / "xla" / key)
     assert key.startswith("cpu-") and len(key) == len("cpu-") + 16
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o700
@@ -81,8 +72,7 @@ def test_the_environment_and_jax_s_own_setting_decide(tmp_path):
     got = _where({"EQX_LEAN_COMPILATION_CACHE": chosen, "JAX_COMPILATION_CACHE_DIR": jax_own})
     assert got == {"returned": jax_own, "configured": jax_own}
     # A directory passed in wins over the environment, even over "off".
-    call = f"eqx_lean.use_compilation_cache({str(tmp_path / 'passed')!r})"
-    got = _where({"EQX_LEAN_COMPILATION_CACHE": "off"}, call)
+    got = _where({"EQX_LEAN_COMPILATION_CACHE": "off"}, str(tmp_path / "passed"))
     assert got["returned"] == got["configured"] == str(tmp_path / "passed")
 
 
@@ -93,7 +83,7 @@ def test_a_second_run_of_the_command_line_compiles_nothing(tmp_path):
     env = {"EQX_LEAN_COMPILATION_CACHE": str(tmp_path / "cache")}
     outputs = []
     for _ in range(2):
-        out = _python(_COUNTED_CLI, env, "build", "--preset", "tiny").splitlines()
+        out = _counted_cli(env, "build", "--preset", "tiny").splitlines()
         outputs.append((out[:-1], json.loads(out[-1])))
     (first_out, first), (second_out, second) = outputs
     assert first["cache_misses"] > 10 and first.get("cache_hits", 0) == 0, first
@@ -102,7 +92,7 @@ def test_a_second_run_of_the_command_line_compiles_nothing(tmp_path):
     tokens = [[line for line in out if "greedy tokens" in line] for out in (first_out, second_out)]
     assert tokens[0] and tokens[0][0].split(" in ")[0] == tokens[1][0].split(" in ")[0]
     # Without the cache, JAX still counts requests, but reads and writes nothing.
-    off = _python(_COUNTED_CLI, env, "build", "--preset", "tiny", "--no-compilation-cache")
+    off = _counted_cli(env, "build", "--preset", "tiny", "--no-compilation-cache")
     counts = json.loads(off.splitlines()[-1])
     assert counts.get("cache_hits", 0) == counts.get("cache_misses", 0) == 0, counts
 
@@ -123,8 +113,8 @@ def test_a_second_finetune_compiles_nothing(tmp_path):
     args = ["finetune", "--checkpoint", str(tmp_path / "base"), "--data", str(data)]
     args += ["--seq-len", "16", "--batch-size", "2", "--steps", "3"]
     env = {"EQX_LEAN_COMPILATION_CACHE": str(tmp_path / "cache")}
-    first = _python(_COUNTED_CLI, env, *args).splitlines()
-    second = _python(_COUNTED_CLI, env, *args).splitlines()
+    first = _counted_cli(env, *args).splitlines()
+    second = _counted_cli(env, *args).splitlines()
     counts = json.loads(second[-1])
     assert counts["compile_requests_use_cache"] == counts["cache_hits"] > 0, counts
     losses = [[x.split(";")[0] for x in out if x.startswith("loss ")] for out in (first, second)]

@@ -18,6 +18,7 @@ import pytest
 
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+WORKERS = ROOT / "tests" / "workers"
 NOTEBOOKS = sorted((ROOT / "docs" / "notebooks").glob("*.ipynb"))
 CELL_TIMEOUT_S = 240
 
@@ -183,28 +184,6 @@ def code_blocks(page: str) -> list[CodeBlock]:
     return blocks
 
 
-# Reads blocks as JSON lines on stdin and runs each in one namespace. Whatever the blocks print
-# goes to stderr (a log); stdout carries one status line per block.
-_SESSION = """
-import json, os, sys, traceback
-report = os.fdopen(os.dup(1), "w")
-os.dup2(2, 1)
-namespace = {"__name__": "__main__"}
-for line in sys.stdin:
-    block = json.loads(line)
-    try:
-        exec(compile(block["code"], block["where"], "exec"), namespace)
-        status = "ok"
-    except BaseException:
-        traceback.print_exc()
-        status = "failed"
-    sys.stdout.flush()
-    sys.stderr.flush()
-    report.write(status + "\\n")
-    report.flush()
-"""
-
-
 def _page_env(devices: int) -> dict[str, str]:
     env = _mkdocs_env()
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
@@ -221,13 +200,14 @@ def _tail(log: pathlib.Path) -> str:
 
 
 class _Session:
-    """One Python interpreter that runs a page's blocks one after another."""
+    """One Python interpreter that runs a page's blocks one after another
+    (`tests/workers/doc_session.py`): whatever they print goes to `log`."""
 
     def __init__(self, cwd: pathlib.Path, env: dict[str, str], log: pathlib.Path):
         self._log_path = log
         self._log = log.open("w")
         self._process = subprocess.Popen(
-            [sys.executable, "-c", _SESSION],
+            [sys.executable, str(WORKERS / "doc_session.py")],
             cwd=cwd,
             env=env,
             stdin=subprocess.PIPE,
@@ -368,28 +348,29 @@ def test_install_hints_name_the_checkout_s_extras():
 
 
 @pytest.mark.parametrize(
-    "code, expected",
+    "package, expected",
     [
         (
-            "import sys; sys.modules['optax'] = None\n"
-            "from examples.mistral7b.train import adamw\nadamw()",
+            "optax",
             "Training needs optax: from the root of the eqx_lean checkout, "
             '`pip install ".[train]"`',
         ),
         (
-            "import sys; sys.modules['tqdm'] = None; sys.modules['tqdm.auto'] = None\n"
-            "import jax, equinox as eqx, eqx_lean\n"
-            "eqx_lean.build_stacked(lambda k: eqx.nn.Linear(2, 2, key=k),"
-            " jax.random.split(jax.random.key(0), 2), progress=True)",
+            "tqdm",
             "`progress=True` needs tqdm: from the root of the eqx_lean checkout, `pip install "
             '".[progress]"`',
         ),
     ],
     ids=["optax", "tqdm"],
 )
-def test_a_missing_optional_package_names_its_extra(code: str, expected: str):
+def test_a_missing_optional_package_names_its_extra(package: str, expected: str):
+    """The call that needs `package`, with it hidden (`tests/workers/missing_package.py`)."""
     done = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, env=_page_env(1), capture_output=True, text=True
+        [sys.executable, str(WORKERS / "missing_package.py"), package],
+        cwd=ROOT,
+        env=_page_env(1),
+        capture_output=True,
+        text=True,
     )
     assert done.returncode != 0
     assert "ImportError: " + expected in done.stderr, done.stderr[-3000:]
@@ -445,19 +426,12 @@ def test_getting_started_install_block_resolves_offline(tmp_path: pathlib.Path):
     )
 
 
-# Appended to getting started's measure block: what it measured, and the bytes of what it built.
-_REPORT_MEASURE = """
-import json
-print("EQX_LEAN_RESULTS:" + json.dumps({
-    "peak": m.peak_bytes,
-    "stack": sum(x.nbytes for x in jax.tree.leaves(eqx.filter(mlps, eqx.is_array))),
-}))
-"""
-
-
-def _measured(code: str) -> dict[str, int]:
+def _measured(*blocks: CodeBlock) -> dict[str, int]:
+    """Runs `blocks`, the last getting started's measure block, in one fresh process; what the
+    measure block measured, and the bytes of what it built (`tests/workers/doc_measure.py`)."""
     done = subprocess.run(
-        [sys.executable, "-c", code + _REPORT_MEASURE],
+        [sys.executable, str(WORKERS / "doc_measure.py"), "+".join(map(_where, blocks))],
+        input="".join(block.code for block in blocks),
         cwd=ROOT,
         env=_page_env(1),
         capture_output=True,
@@ -485,8 +459,8 @@ def test_a_build_measured_after_an_estimate_in_one_process_reads_low():
     (estimate,) = [b for b in estimates if "estimate(make_mlp," in b.code]
     (measure,) = [b for b in measures if "build_stacked(make_mlp," in b.code]
     with concurrent.futures.ThreadPoolExecutor(2) as pool:  # memory is per process
-        fresh = pool.submit(_measured, measure.code)
-        after = pool.submit(_measured, estimate.code + measure.code)
+        fresh = pool.submit(_measured, measure)
+        after = pool.submit(_measured, estimate, measure)
         fresh, after = fresh.result(), after.result()
     assert after["stack"] == fresh["stack"], (after, fresh)
     assert fresh["peak"] >= fresh["stack"], fresh

@@ -16,7 +16,6 @@ import socket
 import subprocess
 import sys
 import sysconfig
-import textwrap
 import time
 import tomllib
 
@@ -25,43 +24,14 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
-# Run in the new environment from a directory outside the checkout: a tiny random checkpoint,
-# written, loaded, fine-tuned with LoRA for a few steps, adapters saved.
-_FINETUNE = textwrap.dedent(
-    """
-    import dataclasses, math, os, sys
-    import equinox as eqx, jax, jax.numpy as jnp, numpy as np
-    import eqx_lean.lora  # first: alone, it must import (it imports the HF decoder)
-    import eqx_lean, eqx_lean.hf
-    from eqx_lean.hf import MistralConfig, adamw, init, load_hf, make_lora_step, save_hf
-    from eqx_lean.lora import LoraConfig, add_lora, lora_filter
+# Run by the new environment's interpreter, from a directory outside the checkout: a tiny random
+# checkpoint, written, loaded, fine-tuned with LoRA for a few steps, adapters saved. By its
+# absolute path, with `-P`: its folder, inside the checkout, stays off `sys.path`.
+FINETUNE_WORKER = ROOT / "tests" / "workers" / "installed_finetune.py"
 
-    prefix = os.path.realpath(sys.prefix)
-    for module in (eqx_lean, eqx_lean.hf, eqx_lean.lora):
-        assert os.path.realpath(module.__file__).startswith(prefix + os.sep), module.__file__
-    config = dataclasses.replace(
-        MistralConfig.tiny(), hidden_size=32, intermediate_size=64, vocab_size=64
-    )
-    save_hf(init(config, key=jax.random.key(0), std=0.2), "base")
-    model = add_lora(
-        load_hf("base"), LoraConfig(r=4, lora_alpha=8, target_modules=("q_proj", "v_proj")),
-        key=jax.random.key(1),
-    )
-    adapters, frozen = eqx.partition(model, lora_filter(model))
-    optimizer = adamw(3e-2)
-    opt_state = optimizer.init(adapters)
-    step = make_lora_step(optimizer, grad_accum=2)
-    ids = jnp.asarray(np.random.default_rng(0).integers(0, 64, (4, 16), np.int32))
-    losses = []
-    for _ in range(4):
-        adapters, opt_state, loss = step(frozen, adapters, opt_state, ids, None)
-        losses.append(float(loss))
-    assert all(math.isfinite(x) for x in losses), losses
-    assert losses[-1] < losses[0], losses
-    print("eqx_lean from", os.path.realpath(eqx_lean.__file__))
-    print("losses", losses)
-    """
-)
+
+def _finetune_command(python: pathlib.Path) -> list[str]:
+    return [str(python), "-P", str(FINETUNE_WORKER)]
 
 
 def _run(command: list[str], **kwargs) -> subprocess.CompletedProcess:
@@ -170,7 +140,7 @@ def test_wheel_installs_offline_and_fine_tunes(
     installed = time.perf_counter() - start
     assert installed < 60, f"the offline install took {installed:.1f} s"
     work = pathlib.Path(tmp_path_factory.mktemp("outside"))
-    done = _run([str(python), "-c", _FINETUNE], cwd=work, env=_outside_env(), timeout=300)
+    done = _run(_finetune_command(python), cwd=work, env=_outside_env(), timeout=300)
     assert f"eqx_lean from {purelib.resolve()}" in done.stdout, done.stdout
     print(done.stdout)
 
@@ -198,5 +168,5 @@ def test_pip_install_hf_extra_from_the_index(tmp_path: pathlib.Path):
         cwd=tmp_path,
         timeout=1800,
     )
-    done = _run([str(python), "-c", _FINETUNE], cwd=tmp_path, env=_outside_env(), timeout=600)
+    done = _run(_finetune_command(python), cwd=tmp_path, env=_outside_env(), timeout=600)
     assert "losses" in done.stdout

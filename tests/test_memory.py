@@ -7,7 +7,6 @@ import pathlib
 import re
 import subprocess
 import sys
-import textwrap
 import time
 
 import equinox as eqx
@@ -29,6 +28,7 @@ from eqx_lean.internal import (
 
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
+WORKERS = REPO / "tests" / "workers"
 MiB = 2**20
 
 
@@ -151,32 +151,11 @@ def test_table_and_repr(tiny_estimate):
     assert {len(r) for r in rows} == {len(lines[2])}
 
 
-NO_ALLOCATION = textwrap.dedent(
-    """
-    import json
-    import equinox as eqx
-    import jax, jax.numpy as jnp
-    import eqx_lean
-    from eqx_lean.internal import peak_rss_bytes, rss_bytes
-
-    keys = jax.random.split(jax.random.key(0), 64)
-    jax.block_until_ready(keys)
-    idle = rss_bytes()
-    before = {id(x) for x in jax.live_arrays()}
-    make = lambda k: eqx.nn.Linear(4096, 4096, key=k)
-    e = eqx_lean.memory.estimate(make, keys, jnp.bfloat16)
-    new = [x.nbytes for x in jax.live_arrays() if id(x) not in before]
-    print(json.dumps({"peak": peak_rss_bytes() - idle, "construction": e.construction_bytes,
-                      "final": e.final_bytes, "predicted": e.filter_jit_vmap_peak,
-                      "new_arrays": len(new), "new_bytes": sum(new)}))
-    """
-)
-
-
 def test_estimate_allocates_nothing():
-    """Estimating a 4 GiB (float32) stack adds only compilation's memory to a fresh process."""
+    """Estimating a 4 GiB (float32) stack adds only compilation's memory to a fresh process
+    (`tests/workers/estimate_allocation.py`)."""
     done = subprocess.run(
-        [sys.executable, "-c", NO_ALLOCATION],
+        [sys.executable, str(WORKERS / "estimate_allocation.py")],
         env=_env(),
         capture_output=True,
         text=True,
@@ -297,40 +276,6 @@ def test_live_arrays_rejects_a_bad_top():
 
 # --- eight devices ------------------------------------------------------------------------------
 
-EIGHT_DEVICES = textwrap.dedent(
-    """
-    import json
-    import equinox as eqx
-    import jax, jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec as P
-    import eqx_lean
-
-    mesh = jax.make_mesh((8,), ("d",))
-    keys = jax.random.split(jax.random.key(0), 4)
-    make = lambda k: eqx.nn.MLP(64, 64, 256, 2, key=k)
-    rule = eqx_lean.fsdp(mesh, "d")
-    e = eqx_lean.memory.estimate(make, keys, jnp.bfloat16, rule)
-    built = eqx_lean.build_stacked(make, keys, jnp.bfloat16, rule)
-    leaves = jax.tree.leaves(eqx.filter(built, eqx.is_array))
-    on_device_0 = sum(
-        s.data.nbytes for x in leaves for s in x.addressable_shards if s.device.id == 0
-    )
-    replicated = jax.device_put(jnp.zeros((1000,), jnp.float32), NamedSharding(mesh, P()))
-    report = eqx_lean.memory.live_arrays(top=None)
-    group = [g for g in report.groups if g.shape == (1000,) and g.dtype == "float32"]
-    unsharded = eqx_lean.memory.estimate(make, keys, jnp.bfloat16)
-    print(json.dumps({
-        "final": e.final_bytes, "per_device": e.final_bytes_per_device,
-        "devices": e.num_devices, "built": sum(x.nbytes for x in leaves),
-        "on_device_0": on_device_0, "replicated": group[0].nbytes, "sharding": group[0].sharding,
-        "table": e.table(), "unsharded_table": unsharded.table(),
-        "peaks": [e.build_stacked_peak, e.filter_vmap_peak, e.filter_jit_vmap_peak],
-        "leaf_shardings": [x.sharding for x in e.leaves],
-        "leaf_per_device": sum(x.nbytes_per_device for x in e.leaves),
-    }))
-    """
-)
-
 
 def test_describe_shows_every_leaf_s_dtypes_before_building():
     keys = jax.random.split(jax.random.key(1), 3)
@@ -371,8 +316,10 @@ def test_describe_shows_every_leaf_s_dtypes_before_building():
 
 @pytest.fixture(scope="module")
 def eight_devices() -> dict:
+    """A sharded estimate and build's figures, from a fresh process with 8 forced CPU devices
+    (`tests/workers/estimate_eight_devices.py`)."""
     done = subprocess.run(
-        [sys.executable, "-c", EIGHT_DEVICES],
+        [sys.executable, str(WORKERS / "estimate_eight_devices.py")],
         env=_env(devices=8),
         capture_output=True,
         text=True,

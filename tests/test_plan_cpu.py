@@ -16,20 +16,17 @@ import pytest
 
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+WORKER = Path(__file__).with_name("workers") / "plan_arguments.py"
 sys.path.insert(0, str(BENCHMARKS))
 
 import plan_vs_measured  # noqa: E402  # pyright: ignore[reportMissingImports]
 
 
-_PLAN_ARGUMENTS = """
-import json, plan_vs_measured
-print(json.dumps(plan_vs_measured.plan_arguments(small=True)))
-"""
-
-
 def test_plan_arguments_are_the_shards():
+    """The small forward case's plan, in a fresh process with the benchmark's 8 devices
+    (`tests/workers/plan_arguments.py`)."""
     done = subprocess.run(
-        [sys.executable, "-c", _PLAN_ARGUMENTS],
+        [sys.executable, str(WORKER)],
         cwd=BENCHMARKS,
         env=plan_vs_measured.child_env(),
         capture_output=True,
