@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from harness import assert_bitwise_equal
 from jaxtyping import Array, PRNGKeyArray
 
 import eqx_lean
@@ -93,20 +94,6 @@ def cast_reference(tree, dtype):
         return x if target is None else x.astype(target)
 
     return jax.tree_util.tree_map_with_path(cast, tree)
-
-
-def assert_bitwise_equal(actual, expected):
-    assert jax.tree.structure(actual) == jax.tree.structure(expected)
-    actual_leaves = jax.tree.leaves(actual)
-    expected_leaves = jax.tree.leaves(expected)
-    for a, b in zip(actual_leaves, expected_leaves, strict=True):
-        if eqx.is_array(b):
-            assert jax.typeof(a) == jax.typeof(b)
-            a_bytes = np.atleast_1d(np.asarray(a)).view(np.uint8)
-            b_bytes = np.atleast_1d(np.asarray(b)).view(np.uint8)
-            np.testing.assert_array_equal(a_bytes, b_bytes)
-        else:
-            assert a == b
 
 
 def live_array_ids():

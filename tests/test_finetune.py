@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from harness import assert_bitwise_equal
 
 from eqx_lean.hf import (
     FinetuneSettings,
@@ -112,17 +113,9 @@ def test_state_round_trips_bitwise(tmp_path: pathlib.Path):
     like = FinetuneState(fresh_adapters, optimizer.init(fresh_adapters), 0, jax.random.key(0))
     loaded = load_state(tmp_path / "state", like)
     assert loaded.step == 7 and loaded.info == {"seed": 1}
-    _assert_bitwise(loaded.adapters, adapters)
-    _assert_bitwise(loaded.opt_state, opt_state)
-    _assert_bitwise(jax.random.key_data(loaded.key), jax.random.key_data(state.key))
-
-
-def _assert_bitwise(a, b) -> None:
-    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
-    assert len(la) == len(lb)
-    for x, y in zip(la, lb, strict=True):
-        assert x.dtype == y.dtype and x.shape == y.shape
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert_bitwise_equal(loaded.adapters, adapters)
+    assert_bitwise_equal(loaded.opt_state, opt_state)
+    assert_bitwise_equal(jax.random.key_data(loaded.key), jax.random.key_data(state.key))
 
 
 SETTINGS = FinetuneSettings(steps=5, batch_size=4, learning_rate=1e-2, seed=3, grad_accum=2)
@@ -149,7 +142,7 @@ def test_resumed_run_equals_the_uninterrupted_one(tmp_path: pathlib.Path):
         save_every=1,
     )
     assert first_losses + later_losses == straight_losses
-    _assert_bitwise(
+    assert_bitwise_equal(
         eqx.filter(resumed, lora_filter(resumed)), eqx.filter(straight, lora_filter(straight))
     )
     meta = json.loads((tmp_path / "s" / "finetune_state.json").read_text())
