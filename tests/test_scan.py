@@ -1,14 +1,14 @@
+import functools
 import gc
-import os
-import subprocess
-import sys
-import textwrap
+from typing import Literal
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from harness import mesh_of
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, PRNGKeyArray
 
 import eqx_lean
@@ -749,125 +749,84 @@ def test_scan_stateful_layers_gradient_under_vmap_with_a_named_axis(getkey, rema
 
 # --- sharded within each layer ------------------------------------------------------------------
 
-_SHARDED_SCRIPT = textwrap.dedent(
-    """
-    import equinox as eqx, jax, jax.numpy as jnp, numpy as np
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    import eqx_lean
-
-    jax.config.update("jax_numpy_dtype_promotion", "strict")
-    jax.config.update("jax_numpy_rank_promotion", "raise")
-    assert len(jax.devices()) == 8
-    mesh = Mesh(np.array(jax.devices()), ("model",))
-    with jax.default_matmul_precision("highest"):
-        keys = jax.random.split(jax.random.key(0), 4)
-        stacked = eqx_lean.build_stacked(
-            lambda k: eqx.nn.MLP(16, 16, 64, 1, activation=jnp.tanh, key=k), keys
-        )
-        x = jax.random.normal(jax.random.key(1), (16,))
-
-        def shard(leaf):
-            spec = [None] * leaf.ndim
-            spec[-1 if leaf.ndim > 2 else 1] = "model"  # within each layer, never the layer axis
-            return jax.device_put(leaf, NamedSharding(mesh, P(*spec)))
-
-        sharded = jax.tree.map(lambda l: shard(l) if eqx.is_array(l) else l, stacked)
-        assert sharded.layers[0].weight.sharding.spec == P(None, None, "model")
-
-        def loss(stacked, x):
-            return jnp.sum(jnp.sin(eqx_lean.fold(stacked, x, remat=True)))
-
-        def loop_loss(stacked, x):
-            for layer in eqx_lean.unstack(stacked):
-                x = layer(x)
-            return jnp.sum(jnp.sin(x))
-
-        found = eqx.filter_jit(eqx.filter_value_and_grad(loss))(sharded, x)
-        expected = eqx.filter_value_and_grad(loop_loss)(stacked, x)
-        for a, b in zip(jax.tree.leaves(found), jax.tree.leaves(expected), strict=True):
-            a, b = np.asarray(a), np.asarray(b)
-            assert np.all(np.abs(a - b) <= 1e-6 * np.maximum(1, np.abs(b))), np.abs(a - b).max()
-    print("ok")
-    """
-)
-
 
 @pytest.mark.slow
 def test_fold_sharded_within_layers_on_8_devices():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    result = subprocess.run(
-        [sys.executable, "-c", _SHARDED_SCRIPT], env=env, capture_output=True, text=True
+    mesh = mesh_of((8,), ("model",), AxisType.Auto)
+    keys = jax.random.split(jax.random.key(0), 4)
+    stacked = eqx_lean.build_stacked(
+        lambda k: eqx.nn.MLP(16, 16, 64, 1, activation=jnp.tanh, key=k), keys
     )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.strip().endswith("ok")
+    x = jax.random.normal(jax.random.key(1), (16,))
+
+    def shard(leaf):
+        spec = [None] * leaf.ndim
+        spec[-1 if leaf.ndim > 2 else 1] = "model"  # within each layer, never the layer axis
+        return jax.device_put(leaf, NamedSharding(mesh, P(*spec)))
+
+    sharded = jax.tree.map(lambda leaf: shard(leaf) if eqx.is_array(leaf) else leaf, stacked)
+    assert sharded.layers[0].weight.sharding.spec == P(None, None, "model")
+
+    def loss(stacked, x):
+        return jnp.sum(jnp.sin(eqx_lean.fold(stacked, x, remat=True)))
+
+    found = eqx.filter_jit(eqx.filter_value_and_grad(loss))(sharded, x)
+    expected = eqx.filter_value_and_grad(loop_loss)(stacked, x)  # on one device
+    assert_close(found, expected)
 
 
-_SHARDED_GRADIENT_SCRIPT = textwrap.dedent(
-    """
-    import equinox as eqx, jax, jax.numpy as jnp, numpy as np
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    import eqx_lean
+class BareLora(eqx.Module):
+    """`LoraLinear`'s layer as three arrays: a bfloat16 base and float32 adapters."""
 
-    assert len(jax.devices()) == 8
-    mesh = Mesh(np.array(jax.devices()), ("model",))
+    weight: Array
+    lora_a: Array
+    lora_b: Array
+
+    def __call__(self, x):
+        base = x @ self.weight.astype(jnp.float32).T
+        return jnp.tanh(base + (x @ self.lora_a.T) @ self.lora_b.T)
+
+
+def test_fold_gradients_come_back_in_the_stacks_sharding_on_8_devices():
+    mesh = mesh_of((8,), ("model",), AxisType.Auto)
     dim, rank, num_layers = 32, 2, 4
-
-    class Lora(eqx.Module):
-        weight: jax.Array
-        lora_a: jax.Array
-        lora_b: jax.Array
-
-        def __call__(self, x):
-            base = x @ self.weight.astype(jnp.float32).T
-            return jnp.tanh(base + (x @ self.lora_a.T) @ self.lora_b.T)
-
     keys = jax.random.split(jax.random.key(0), 3)
-    stacked = Lora(
+    stacked = BareLora(
         (jax.random.normal(keys[0], (num_layers, dim, dim)) / dim**0.5).astype(jnp.bfloat16),
         jax.random.normal(keys[1], (num_layers, rank, dim)) / dim**0.5,
         jax.random.normal(keys[2], (num_layers, dim, rank)),
     )
-    specs = Lora(P(None, "model", None), P(None, None, "model"), P(None, "model", None))
-    sharded = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), stacked, specs)
-    x = jax.random.normal(jax.random.key(1), (3, dim))
 
-    def loop(stacked, x):
-        for layer in eqx_lean.unstack(stacked):
-            x = layer(x)
-        return x
+    def put(a, spec):
+        return jax.device_put(a, NamedSharding(mesh, spec))
+
+    sharded = BareLora(
+        put(stacked.weight, P(None, "model", None)),
+        put(stacked.lora_a, P(None, None, "model")),
+        put(stacked.lora_b, P(None, "model", None)),
+    )
+    x = jax.random.normal(jax.random.key(1), (3, dim))
 
     def grads(forward, stacked):
         return jax.jit(jax.grad(lambda s: jnp.sum(jnp.sin(forward(s, x)))))(stacked)
 
-    def assert_close(found, expected, rtol):
+    def assert_close_to_scale(found, expected, rtol):
         # Sums split across devices round differently: float32 rounding of the leaf's scale.
         found, expected = np.asarray(found, np.float32), np.asarray(expected, np.float32)
         atol = 1e-6 * np.abs(expected).max()
         np.testing.assert_allclose(found, expected, rtol=rtol, atol=atol)
 
-    with jax.default_matmul_precision("highest"):
-        expected = grads(loop, stacked)  # on one device
-        for remat in (None, True, "nested"):
-            found = grads(lambda s, x: eqx_lean.fold(s, x, remat=remat), sharded)
-            # The gradient comes back in the stack's own sharding, leaf by leaf.
-            for g, a in zip(jax.tree.leaves(found), jax.tree.leaves(sharded), strict=True):
-                assert g.dtype == a.dtype and g.sharding.is_equivalent_to(a.sharding, a.ndim), (
-                    remat, g.sharding, a.sharding)
-            assert_close(found.lora_a, expected.lora_a, rtol=1e-5)
-            assert_close(found.lora_b, expected.lora_b, rtol=1e-5)
-            assert_close(found.weight, expected.weight, rtol=2**-7)  # one bfloat16 rounding
-    print("ok")
-    """
-)
-
-
-def test_fold_gradients_come_back_in_the_stacks_sharding_on_8_devices():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    result = subprocess.run(
-        [sys.executable, "-c", _SHARDED_GRADIENT_SCRIPT], env=env, capture_output=True, text=True
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.strip().endswith("ok")
+    expected = grads(loop_fold, stacked)  # on one device
+    remats: list[bool | Literal["nested"] | None] = [None, True, "nested"]
+    for remat in remats:
+        found = grads(functools.partial(eqx_lean.fold, remat=remat), sharded)
+        # The gradient comes back in the stack's own sharding, leaf by leaf.
+        for g, a in zip(jax.tree.leaves(found), jax.tree.leaves(sharded), strict=True):
+            assert g.dtype == a.dtype, (remat, g.dtype, a.dtype)
+            assert g.sharding.is_equivalent_to(a.sharding, a.ndim), (remat, g.sharding, a.sharding)
+        assert_close_to_scale(found.lora_a, expected.lora_a, rtol=1e-5)
+        assert_close_to_scale(found.lora_b, expected.lora_b, rtol=1e-5)
+        assert_close_to_scale(found.weight, expected.weight, rtol=2**-7)  # one bfloat16 rounding
 
 
 # --- errors -------------------------------------------------------------------------------------
