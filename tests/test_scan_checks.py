@@ -2,22 +2,18 @@
 give work: `num_layers=`, leaves without the layer axis, a sharded layer axis, `remat=`.
 
 Values are compared with a Python loop over `eqx_lean.unstack` (gradients by differentiating
-that loop). The sharded checks need 8 devices, fixed when JAX starts: they run in a fresh
-process (`python tests/test_scan_checks.py`), which prints a JSON dict of results.
+that loop). The sharded checks run on the suite's 8 CPU devices.
 """
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-from typing import Any
+import dataclasses
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from harness import mesh_of
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import eqx_lean
 
@@ -221,27 +217,72 @@ def test_policies_are_accepted_and_match_the_loop(remat):
 
 # --- a sharded layer axis, on 8 devices --------------------------------------------------------
 
-_MARKER = "EQX_LEAN_RESULTS:"
+
+@dataclasses.dataclass(frozen=True)
+class ShardedStack:
+    """An MLP stack (its arrays and the rest), an input, and the loop's output and gradient."""
+
+    params: eqx.nn.MLP
+    static: eqx.nn.MLP
+    x: jax.Array
+    expected: jax.Array
+    expected_grad: eqx.nn.MLP
+
+    def place(self, mesh, first):
+        """The stack with its layer axis over mesh axis `first` and the next over `"model"`."""
+
+        def put(a):
+            spec = P(first, "model") if a.ndim >= 2 else P(first)
+            return jax.device_put(a, NamedSharding(mesh, spec))
+
+        return eqx.combine(jax.tree.map(put, self.params), self.static)
+
+    def assert_matches_the_loop(self, found, with_grad=True):
+        assert_close(found, (self.expected, self.expected_grad) if with_grad else self.expected)
+
+
+def sharded_loss(stacked, x):
+    return jnp.sum(jnp.sin(eqx_lean.fold(stacked, x)))
 
 
 @pytest.fixture(scope="module")
-def sharded() -> dict[str, Any]:
-    repo = str(Path(eqx_lean.__file__).resolve().parents[1])
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-    env["PYTHONPATH"] = os.pathsep.join([repo, *filter(None, [env.get("PYTHONPATH")])])
-    env["JAX_PLATFORMS"] = "cpu"
-    command = [sys.executable, __file__]
-    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    lines = [line for line in proc.stdout.splitlines() if line.startswith(_MARKER)]
-    assert lines, f"no results printed; stdout ended with:\n{proc.stdout[-2000:]}"
-    return json.loads(lines[-1][len(_MARKER) :])
+def mlp() -> ShardedStack:
+    keys = jax.random.split(jax.random.key(0), NUM_LAYERS)
+    stacked = eqx_lean.build_stacked(lambda k: eqx.nn.MLP(DIM, DIM, 16, 1, key=k), keys)
+    params, static = eqx.partition(stacked, eqx.is_array)
+    x = jnp.linspace(-1, 1, DIM)
+
+    def loop_loss(params):
+        return jnp.sum(jnp.sin(loop(eqx.combine(params, static), x)))
+
+    # Module-scoped: set up before the autouse `highest_precision` of the first test using it.
+    with jax.default_matmul_precision("highest"):
+        return ShardedStack(params, static, x, loop(stacked, x), jax.grad(loop_loss)(params))
 
 
-@pytest.mark.parametrize("how", ["fold", "fold-jit", "fold-grad", "scan", "fold-gather-false"])
-def test_a_sharded_layer_axis_is_refused_before_jax_sees_it(sharded, how):
-    error, message = sharded[f"explicit/{how}"]
-    assert error == "ValueError", message
+def layers_and_model():
+    """A 2 x 4 mesh of Explicit axes: the layer axis over `"layers"`, the next over `"model"`."""
+    return mesh_of((2, 4), ("layers", "model"))
+
+
+RUNS = {
+    "fold": lambda stacked, x: eqx_lean.fold(stacked, x),
+    "fold-jit": lambda stacked, x: eqx.filter_jit(eqx_lean.fold)(stacked, x),
+    "fold-grad": lambda stacked, x: eqx.filter_grad(sharded_loss)(stacked, x),
+    "scan": lambda stacked, x: eqx_lean.scan(stacked, x, call=lambda layer, x, _: (layer(x), None)),
+    "fold-gather-false": lambda stacked, x: eqx_lean.fold(stacked, x, gather=False),
+}
+
+
+@pytest.mark.parametrize("how", list(RUNS))
+def test_a_sharded_layer_axis_is_refused_before_jax_sees_it(mlp, how):
+    explicit = layers_and_model()
+    with jax.set_mesh(explicit):
+        by_stage = mlp.place(explicit, "layers")
+        with pytest.raises(ValueError) as info:
+            RUNS[how](by_stage, mlp.x)
+    assert info.type is ValueError, info.value
+    message = str(info.value)
     for part in [
         "`stacked.layers[0].weight` (float32[4, 16, 8], sharded P('layers', 'model', None))",
         "has its layer axis (dimension 0) sharded over mesh axis 'layers'",
@@ -251,122 +292,61 @@ def test_a_sharded_layer_axis_is_refused_before_jax_sees_it(sharded, how):
         assert part in message, message
 
 
-@pytest.mark.parametrize("fix", ["device_put", "reshard-in-jit", "device_put-in-jit"])
-def test_the_fix_the_message_gives_runs_and_matches_the_loop(sharded, fix):
-    assert sharded[f"fixed/{fix}"] == "ok"
+def layer_axis_replicated(stacked, mesh, how):
+    """The fixes the message gives: each leaf with its layer axis replicated, the rest of its
+    sharding kept, by `jax.device_put` or (in `jax.jit`, under `jax.set_mesh`) `reshard`."""
 
-
-def test_on_auto_axes_and_over_one_device_a_sharded_layer_axis_still_runs(sharded):
-    assert sharded["auto"] == "ok"
-    assert sharded["one-device-axis"] == "ok"
-
-
-def test_a_tuple_of_mesh_axes_is_named(sharded):
-    error, message = sharded["explicit/two-axes"]
-    assert error == "ValueError" and "over mesh axes ('layers', 'model')" in message, message
-    assert "NamedSharding(mesh, P(None, None, None))" in message, message
-
-
-def _sharded_checks() -> dict[str, Any]:
-    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
-
-    assert len(jax.devices()) == 8
-    results: dict[str, Any] = {}
-    keys = jax.random.split(jax.random.key(0), NUM_LAYERS)
-    stacked = eqx_lean.build_stacked(lambda k: eqx.nn.MLP(DIM, DIM, 16, 1, key=k), keys)
-    params, static = eqx.partition(stacked, eqx.is_array)
-    x = jnp.linspace(-1, 1, DIM)
-
-    def loss(stacked, x):
-        return jnp.sum(jnp.sin(eqx_lean.fold(stacked, x)))
-
-    expected = loop(stacked, x)
-    expected_grad = jax.grad(lambda p: jnp.sum(jnp.sin(loop(eqx.combine(p, static), x))))(params)
-
-    def place(mesh, first):
-        def put(a):
-            spec = P(first, "model") if a.ndim >= 2 else P(first)
+    def fix(a):
+        spec = P(None, *jax.typeof(a).sharding.spec[1:])
+        if how == "device_put":
             return jax.device_put(a, NamedSharding(mesh, spec))
+        return jax.sharding.reshard(a, spec)
 
-        return eqx.combine(jax.tree.map(put, params), static)
+    return jax.tree.map(lambda a: fix(a) if eqx.is_array(a) else a, stacked)
 
-    def outcome(run):
-        try:
-            run()
-        except Exception as e:
-            return [type(e).__name__, str(e)]
-        return ["none", "ran"]
 
-    def matches(found, expected):
-        for a, b in zip(jax.tree.leaves(found), jax.tree.leaves(expected), strict=True):
-            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
-        return "ok"
+@pytest.mark.parametrize("fix", ["device_put", "reshard-in-jit", "device_put-in-jit"])
+def test_the_fix_the_message_gives_runs_and_matches_the_loop(mlp, fix):
+    explicit = layers_and_model()
+    how = fix.removesuffix("-in-jit")
 
-    explicit = jax.make_mesh((2, 4), ("layers", "model"), axis_types=(AxisType.Explicit,) * 2)
-    by_stage = place(explicit, "layers")
-    call = lambda layer, x, _: (layer(x), None)  # noqa: E731
+    def fixed_run(stacked, x):
+        fixed = layer_axis_replicated(stacked, explicit, how)
+        return eqx_lean.fold(fixed, x), eqx.filter_grad(sharded_loss)(fixed, x)
+
     with jax.set_mesh(explicit):
-        results["explicit/fold"] = outcome(lambda: eqx_lean.fold(by_stage, x))
-        results["explicit/fold-jit"] = outcome(lambda: eqx.filter_jit(eqx_lean.fold)(by_stage, x))
-        results["explicit/fold-grad"] = outcome(lambda: eqx.filter_grad(loss)(by_stage, x))
-        results["explicit/scan"] = outcome(lambda: eqx_lean.scan(by_stage, x, call=call))
-        results["explicit/fold-gather-false"] = outcome(
-            lambda: eqx_lean.fold(by_stage, x, gather=False)
+        by_stage = mlp.place(explicit, "layers")
+        found = (eqx.filter_jit(fixed_run) if fix.endswith("-in-jit") else fixed_run)(
+            by_stage, mlp.x
         )
-        cube = jax.make_mesh((2, 2, 2), ("layers", "model", "data"))
-        two = eqx.combine(
-            jax.tree.map(
-                lambda a: jax.device_put(a, NamedSharding(cube, P(("layers", "model")))), params
-            ),
-            static,
-        )
-        results["explicit/two-axes"] = outcome(lambda: eqx_lean.fold(two, x))
-
-        # The fixes the message gives: eagerly, and inside `jax.jit`.
-        def replicated_spec(a):
-            return P(None, *jax.typeof(a).sharding.spec[1:])
-
-        def device_put(stacked):
-            return jax.tree.map(
-                lambda a: (
-                    jax.device_put(a, NamedSharding(explicit, replicated_spec(a)))
-                    if eqx.is_array(a)
-                    else a
-                ),
-                stacked,
-            )
-
-        def reshard(stacked):
-            return jax.tree.map(
-                lambda a: jax.sharding.reshard(a, replicated_spec(a)) if eqx.is_array(a) else a,
-                stacked,
-            )
-
-        fixed = device_put(by_stage)
-        found = (eqx_lean.fold(fixed, x), eqx.filter_grad(loss)(fixed, x))
-        results["fixed/device_put"] = matches(found, (expected, expected_grad))
-        for name, fix in [("reshard-in-jit", reshard), ("device_put-in-jit", device_put)]:
-
-            @eqx.filter_jit
-            def fixed_inside(stacked, x, fix=fix):
-                fixed = fix(stacked)
-                return eqx_lean.fold(fixed, x), eqx.filter_grad(loss)(fixed, x)
-
-            results[f"fixed/{name}"] = matches(fixed_inside(by_stage, x), (expected, expected_grad))
-
-    # Over Auto axes (not in the type) and over an axis of one device, JAX slices it itself.
-    auto = jax.make_mesh((2, 4), ("layers", "model"), axis_types=(AxisType.Auto,) * 2)
-    on_auto = place(auto, "layers")
-    results["auto"] = matches(
-        (eqx_lean.fold(on_auto, x), eqx.filter_grad(loss)(on_auto, x)), (expected, expected_grad)
-    )
-    one = jax.make_mesh((1, 8), ("layers", "model"), axis_types=(AxisType.Explicit,) * 2)
-    with jax.set_mesh(one):
-        on_one = place(one, "layers")
-        results["one-device-axis"] = matches(eqx_lean.fold(on_one, x), expected)
-    return results
+    mlp.assert_matches_the_loop(found)
 
 
-if __name__ == "__main__":
-    with jax.default_matmul_precision("highest"):
-        print(_MARKER + json.dumps(_sharded_checks()))
+@pytest.mark.parametrize("where", ["auto", "one-device-axis"])
+def test_on_auto_axes_and_over_one_device_a_sharded_layer_axis_still_runs(mlp, where):
+    if where == "auto":
+        # Over Auto axes (not in the type), JAX slices the layer axis itself.
+        auto = mesh_of((2, 4), ("layers", "model"), AxisType.Auto)
+        on_auto = mlp.place(auto, "layers")
+        found = (eqx_lean.fold(on_auto, mlp.x), eqx.filter_grad(sharded_loss)(on_auto, mlp.x))
+        mlp.assert_matches_the_loop(found)
+    else:
+        # An Explicit axis of one device splits nothing.
+        one = mesh_of((1, 8), ("layers", "model"))
+        with jax.set_mesh(one):
+            found = eqx_lean.fold(mlp.place(one, "layers"), mlp.x)
+        mlp.assert_matches_the_loop(found, with_grad=False)
+
+
+def test_a_tuple_of_mesh_axes_is_named(mlp):
+    explicit = layers_and_model()
+    cube = mesh_of((2, 2, 2), ("layers", "model", "data"))
+    over_two = NamedSharding(cube, P(("layers", "model")))
+    two = eqx.combine(jax.tree.map(lambda a: jax.device_put(a, over_two), mlp.params), mlp.static)
+    with jax.set_mesh(explicit):
+        with pytest.raises(ValueError) as info:
+            eqx_lean.fold(two, mlp.x)
+    assert info.type is ValueError, info.value
+    message = str(info.value)
+    assert "over mesh axes ('layers', 'model')" in message, message
+    assert "NamedSharding(mesh, P(None, None, None))" in message, message
