@@ -2,27 +2,22 @@
 
 A compiled write must be reused exactly when the traced program is the same: changed Python
 state gives new values (bitwise those of `filter_vmap`), an identical fresh function compiles
-nothing, and no cache keeps the user's function or arrays alive. The sharding checks need two
-devices: they run in a fresh process with two forced CPU devices (`python tests/test_core.py
-sharding-builds`), which prints what the test below reads.
+nothing, and no cache keeps the user's function or arrays alive. The sharding checks run on the
+first two of the suite's eight CPU devices.
 """
 
 import dataclasses
 import gc
-import json
 import logging
-import os
-import subprocess
-import sys
 import threading
 import weakref
-from pathlib import Path
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from harness import assert_bitwise_equal, bits, keys_of, mesh_of
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 from jaxtyping import Array
 
@@ -43,22 +38,6 @@ from eqx_lean.internal import (
 TINY = BlockConfig(num_layers=3, dim=16, hidden=24, heads=2, kv_heads=1)
 
 
-def bitwise(a, b) -> bool:
-    leaves_a, leaves_b = jax.tree.leaves(a), jax.tree.leaves(b)
-    if jax.tree.structure(a) != jax.tree.structure(b):
-        return False
-    return all(
-        jax.typeof(x) == jax.typeof(y)
-        and np.array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8))
-        for x, y in zip(leaves_a, leaves_b, strict=True)
-    )
-
-
-def keys_of(n: int, seed: int = 0):
-    keys = jax.random.split(jax.random.key(seed), n)
-    return jax.block_until_ready(keys)
-
-
 # --- stale state: every way Python state reaches the program --------------------------------
 
 SETTINGS = {"scale": 1.0}
@@ -76,10 +55,10 @@ def test_a_changed_dict_value_gives_new_values():
         second = eqx_lean.build_stacked(make, keys)
     finally:
         SETTINGS["scale"] = 1.0
-    assert not bitwise(first, second)
+    assert not np.array_equal(bits(first["w"]), bits(second["w"]))
     SETTINGS["scale"] = 3.0
     try:
-        assert bitwise(second, eqx.filter_jit(eqx.filter_vmap(make))(keys))
+        assert_bitwise_equal(second, eqx.filter_jit(eqx.filter_vmap(make))(keys))
     finally:
         SETTINGS["scale"] = 1.0
 
@@ -95,10 +74,10 @@ def test_a_changed_module_global_gives_new_values():
     GLOBAL_SCALE = 0.5
     try:
         second = eqx_lean.build_stacked(make, keys)
-        assert bitwise(second, eqx.filter_jit(eqx.filter_vmap(make))(keys))
+        assert_bitwise_equal(second, eqx.filter_jit(eqx.filter_vmap(make))(keys))
     finally:
         GLOBAL_SCALE = 1.0
-    assert not bitwise(first, second)
+    assert not np.array_equal(bits(first), bits(second))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +106,7 @@ def test_a_field_excluded_from_equality_still_gives_new_values():
     second = eqx_lean.build_stacked(make_scaled(two), keys)
     np.testing.assert_array_equal(second.weight, 2 * first.weight)
     expected = eqx.filter_jit(eqx.filter_vmap(make_scaled(two)))(keys)
-    assert bitwise(second, expected)
+    assert_bitwise_equal(second, expected)
 
 
 def test_a_captured_numpy_array_updated_in_place_gives_new_values():
@@ -140,8 +119,8 @@ def test_a_captured_numpy_array_updated_in_place_gives_new_values():
     first = eqx_lean.build_stacked(make, keys)
     offset += 1.0
     second = eqx_lean.build_stacked(make, keys)
-    assert bitwise(second, eqx.filter_jit(eqx.filter_vmap(make))(keys))
-    assert not bitwise(first, second)
+    assert_bitwise_equal(second, eqx.filter_jit(eqx.filter_vmap(make))(keys))
+    assert not np.array_equal(bits(first), bits(second))
 
 
 def test_a_large_captured_array_is_an_argument_and_updated_in_place_gives_new_values():
@@ -171,7 +150,7 @@ def test_a_fresh_function_of_the_same_content_compiles_nothing(compiles):
     before = compiles.count
     second = eqx_lean.build_stacked(lambda k: Block(TINY, key=k), keys, jnp.bfloat16)
     assert compiles.count == before
-    assert bitwise(first, second)
+    assert_bitwise_equal(first, second)
 
 
 def test_a_layer_with_custom_derivatives_compiles_once(compiles):
@@ -193,7 +172,8 @@ def test_a_layer_with_custom_derivatives_compiles_once(compiles):
     second = eqx_lean.build_stacked(lambda k: make(k), keys)
     assert compiles.count == before
     expected = eqx.filter_vmap(make)(keys)
-    assert bitwise(first, expected) and bitwise(second, expected)
+    assert_bitwise_equal(first, expected)
+    assert_bitwise_equal(second, expected)
 
 
 def test_derivative_rules_are_left_out_of_the_key_and_the_forward_program_is_not():
@@ -210,32 +190,68 @@ def test_a_different_dtype_compiles_again(compiles):
     assert compiles.count > before
 
 
-# Builds of one layer function under shardings of the same shapes and dtype, in order, on two
-# forced CPU devices (a fresh process: the device count is fixed when JAX starts).
+# Builds of one layer function under shardings of the same shapes and dtype, in order, on the
+# first two devices.
 SHARDING_BUILDS = ["split", "split", "replicated", "device-0", "device-1", "device-1"]
+
+
+class WriteCompilations(logging.Handler):
+    """Counts the XLA compilations of `build_stacked`'s writes that `jax.log_compiles` logs."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.getMessage().startswith("Compiling jit(write_layers)"):
+            self.count += 1
 
 
 def test_a_different_sharding_compiles_again_and_the_same_does_not():
     """A compiled write is reused for the same sharding only: splitting the rows over both
     devices, replicating them, or placing them on either device compiles a write of its own."""
-    repo = str(Path(eqx_lean.__file__).resolve().parents[1])
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
-    env["PYTHONPATH"] = os.pathsep.join([repo, *filter(None, [env.get("PYTHONPATH")])])
-    env["JAX_PLATFORMS"] = "cpu"
-    command = [sys.executable, __file__, "sharding-builds"]
-    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    lines = [line for line in proc.stdout.splitlines() if line.startswith(_MARKER)]
-    assert lines, f"no results printed; stdout ended with:\n{proc.stdout[-2000:]}"
-    builds = json.loads(lines[-1][len(_MARKER) :])
-    assert [b["sharding"] for b in builds] == SHARDING_BUILDS
-    for build in builds:
-        # Bitwise `filter_vmap`'s values, laid out as asked: a write compiled for another
-        # sharding, if reused, would fail here (or when called).
-        assert build["bitwise"] and build["placed"], build
+    devices = jax.devices()[:2]
+    mesh = mesh_of((2,), ("data",))
+
+    def make(key):
+        return jax.random.normal(key, (8, 8))
+
+    keys = keys_of(3)
+    expected = np.asarray(eqx.filter_vmap(make)(keys))
+    # Each per-layer sharding, and the sharding its stack (layers first) must have.
+    shardings = {
+        "split": (NamedSharding(mesh, P("data")), NamedSharding(mesh, P(None, "data"))),
+        "replicated": (NamedSharding(mesh, P()), NamedSharding(mesh, P())),
+        "device-0": (SingleDeviceSharding(devices[0]),) * 2,
+        "device-1": (SingleDeviceSharding(devices[1]),) * 2,
+    }
+    # Earlier tests in this process may have compiled this write (`build_stacked(make, keys)`
+    # is placed on device 0): start from no compiled writes, so that each sharding's first
+    # build must compile. Each `make_layer` jits a fresh `write_layers`, so JAX's own caches
+    # never hold one of these writes.
+    eqx_lean.clear_caches()
+    counter = WriteCompilations()
+    jax_logger = logging.getLogger("jax")
+    jax_logger.addHandler(counter)
+    compiled = []
+    try:
+        for name in SHARDING_BUILDS:
+            layer, stacked = shardings[name]
+            before = counter.count
+            with jax.log_compiles():
+                built = jax.block_until_ready(eqx_lean.build_stacked(make, keys, sharding=layer))
+            compiled.append(counter.count - before)
+            # Bitwise `filter_vmap`'s values, laid out as asked: a write compiled for another
+            # sharding, if reused, would fail here (or when called). By value: `jax.typeof`
+            # names the sharding on Explicit axes, which `expected` does not have.
+            assert built.dtype == expected.dtype, name
+            np.testing.assert_array_equal(bits(built), bits(expected), err_msg=name)
+            placed = built.sharding.devices_indices_map(built.shape)
+            assert placed == stacked.devices_indices_map(built.shape), name
+    finally:
+        jax_logger.removeHandler(counter)
     # The layer is one leaf, so one write: compiled at each sharding's first build, not again.
-    compiled = [b["write_compilations"] for b in builds]
-    assert compiled == [1, 0, 1, 1, 1, 0], builds
+    assert compiled == [1, 0, 1, 1, 1, 0]
 
 
 @pytest.mark.parametrize("partitionable", [False, True])
@@ -250,7 +266,7 @@ def test_settings_that_change_values_are_part_of_the_key(partitionable):
     with jax.threefry_partitionable(partitionable):
         built = eqx_lean.build_stacked(make, keys)
         expected = eqx.filter_jit(eqx.filter_vmap(make))(keys)
-    assert bitwise(built, expected)
+    assert_bitwise_equal(built, expected)
 
 
 def _make_with_captured_array(side: int):
@@ -325,7 +341,7 @@ def test_concurrent_builds_agree():
         t.join()
     assert not errors
     for other in results[1:]:
-        assert bitwise(results[0], other)
+        assert_bitwise_equal(results[0], other)
 
 
 # --- the program's key --------------------------------------------------------------------------
@@ -415,66 +431,3 @@ def test_a_value_error_from_make_layer_is_not_turned_into_a_tracing_error():
     with pytest.raises(ValueError) as info:
         eqx_lean.build_stacked(make, keys_of(2))
     assert "must be traceable" not in str(info.value)
-
-
-# --- run in a fresh process with two CPU devices (`python tests/test_core.py sharding-builds`) --
-
-_MARKER = "EQX_LEAN_RESULTS:"
-
-
-class _WriteCompilations(logging.Handler):
-    """Counts the XLA compilations of `build_stacked`'s writes that `jax.log_compiles` logs."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if record.getMessage().startswith("Compiling jit(write_layers)"):
-            self.count += 1
-
-
-def _sharding_builds() -> list[dict]:
-    devices = jax.devices()
-    assert len(devices) == 2, devices
-    mesh = jax.make_mesh((2,), ("data",), devices=devices)
-
-    def make(key):
-        return jax.random.normal(key, (8, 8))
-
-    keys = keys_of(3)
-    expected = np.asarray(eqx.filter_vmap(make)(keys))
-    # Each per-layer sharding, and the sharding its stack (layers first) must have.
-    shardings = {
-        "split": (NamedSharding(mesh, P("data")), NamedSharding(mesh, P(None, "data"))),
-        "replicated": (NamedSharding(mesh, P()), NamedSharding(mesh, P())),
-        "device-0": (SingleDeviceSharding(devices[0]),) * 2,
-        "device-1": (SingleDeviceSharding(devices[1]),) * 2,
-    }
-    counter = _WriteCompilations()
-    logging.getLogger("jax").addHandler(counter)
-    builds = []
-    for name in SHARDING_BUILDS:
-        layer, stacked = shardings[name]
-        before = counter.count
-        with jax.log_compiles():
-            built = jax.block_until_ready(eqx_lean.build_stacked(make, keys, sharding=layer))
-        placed = built.sharding.devices_indices_map(built.shape)
-        builds.append(
-            {
-                "sharding": name,
-                "write_compilations": counter.count - before,
-                # By value (`bitwise` compares types, which name the sharding on Explicit axes).
-                "bitwise": built.dtype == expected.dtype
-                and np.array_equal(np.asarray(built).view(np.uint8), expected.view(np.uint8)),
-                "placed": placed == stacked.devices_indices_map(built.shape),
-            }
-        )
-    return builds
-
-
-if __name__ == "__main__":
-    jax.config.update("jax_numpy_dtype_promotion", "strict")
-    jax.config.update("jax_numpy_rank_promotion", "raise")
-    assert sys.argv[1:] == ["sharding-builds"], sys.argv
-    print(_MARKER + json.dumps(_sharding_builds()), flush=True)
