@@ -1,16 +1,12 @@
 """The chunked write engine of loads (`eqx_lean/_core/chunks.py`): how it cuts buffers into
 calls, and what a compiled chunk write needs beside its buffers (compiled only)."""
 
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from harness import mesh_of
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from eqx_lean.internal import (
     CHUNK_ALIGN,
@@ -25,7 +21,6 @@ from eqx_lean.internal import (
 )
 
 
-REPO = Path(__file__).resolve().parent.parent
 MIB = 2**20
 
 
@@ -72,39 +67,22 @@ def test_compiled_write_needs_at_most_one_chunk_beside_its_buffers():
         assert analysis.temp_size_in_bytes <= 4 * MIB, analysis.temp_size_in_bytes
 
 
-def test_sharded_compiled_write_is_one_program_for_every_device(tmp_path):
-    script = tmp_path / "script.py"
-    script.write_text(
-        textwrap.dedent(
-            """
-            import jax, jax.numpy as jnp, numpy as np
-            from jax.sharding import NamedSharding, PartitionSpec as P
-            from eqx_lean.internal import BufferPlan, lower_chunk_write, plan_chunks
-
-            mesh = jax.make_mesh((8,), ("data",))
-            def buffer_plan(shape, spec, stacked=True):
-                struct = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
-                sharding = NamedSharding(mesh, spec)
-                return BufferPlan(struct, sharding, stacked, np.dtype(np.float32))
-            plans = [buffer_plan((32, 14336, 4096), P(None, "data")),
-                       buffer_plan((32, 4096, 14336), P(None, None, "data")),
-                       buffer_plan((32, 4096), P()),
-                       buffer_plan((32000, 4096), P("data"), stacked=False)]
-            for group in plan_chunks(plans, 4 * 2**20, host_writes=False):
-                analysis = lower_chunk_write(group).compile().memory_analysis()
-                per_device = sum(
-                    int(np.prod(b.sharding.shard_shape(b.shape))) * 2 for b in group.buffers)
-                assert analysis.alias_size_in_bytes == per_device, analysis
-                # The chunk is spread over the devices: a device's cast values are its share.
-                assert analysis.temp_size_in_bytes <= 4 * 2**20 // 8 + 64 * 1024, analysis
-            print("ok")
-            """
-        )
-    )
-    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env)
-    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+def test_sharded_compiled_write_is_one_program_for_every_device():
+    """float32 values cast into bfloat16 buffers sharded over 8 devices (compiled only): one
+    program whose buffers and temporaries are per device."""
+    mesh = mesh_of((8,), ("data",))
+    plans = [
+        buffer_plan((32, 14336, 4096), sharding=NamedSharding(mesh, P(None, "data"))),
+        buffer_plan((32, 4096, 14336), sharding=NamedSharding(mesh, P(None, None, "data"))),
+        buffer_plan((32, 4096), sharding=NamedSharding(mesh, P())),
+        buffer_plan((32000, 4096), stacked=False, sharding=NamedSharding(mesh, P("data"))),
+    ]
+    for group in plan_chunks(plans, 4 * MIB, host_writes=False):
+        analysis = memory_analysis(lower_chunk_write(group).compile())
+        per_device = sum(int(np.prod(b.sharding.shard_shape(b.shape))) * 2 for b in group.buffers)
+        assert analysis.alias_size_in_bytes == per_device, analysis
+        # The chunk is spread over the devices: a device's cast values are its share.
+        assert analysis.temp_size_in_bytes <= 4 * MIB // 8 + 64 * 1024, analysis
 
 
 def test_host_buffers_allocated_in_threads_come_back_in_target_order():
