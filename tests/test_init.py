@@ -1,25 +1,21 @@
 import gc
 import itertools
-import json
 import math
-import os
-import subprocess
 import sys
-import textwrap
 import weakref
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from harness import mesh_of
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import eqx_lean
 
 
 inits = jax.nn.initializers
 chunked = eqx_lean.init.chunked
-REPO = Path(__file__).resolve().parents[1]
 
 # The constant of `jax.nn.initializers.variance_scaling`: the standard deviation of a standard
 # normal truncated to (-2, 2).
@@ -377,74 +373,78 @@ def test_bad_out_sharding(getkey):
 # Eight devices
 #
 
-EIGHT_DEVICES = textwrap.dedent(
-    """
-    import json, math, sys
-    import jax, jax.numpy as jnp, numpy as np
-    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
-    import eqx_lean
+# The draw that every layout over the suite's 8 devices must give, value for value.
+EIGHT_DEVICE_SHAPE = (1000, 1400)
 
-    assert len(jax.devices()) == 8
-    out_dir = sys.argv[1]
-    init = eqx_lean.init.chunked(jax.nn.initializers.lecun_normal())
-    small_chunks = eqx_lean.init.chunked(jax.nn.initializers.lecun_normal(), 3 * 2**20)
-    key = jax.random.key(7)
-    shape = (1000, 1400)
-    line = jax.make_mesh((8,), ("d",))
-    auto = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Auto,))
-    grid = jax.make_mesh((2, 4), ("a", "b"))
-    cases = {
-        "rows": NamedSharding(line, P("d", None)),
-        "columns": NamedSharding(line, P(None, "d")),
-        "rows_auto": NamedSharding(auto, P("d")),
-        "grid": NamedSharding(grid, P("a", "b")),
-        "two_axes_on_rows": NamedSharding(grid, P(("b", "a"), None)),
-        "partly_replicated": NamedSharding(grid, P(None, "b")),
-    }
-    report = {}
-    for name, sharding in cases.items():
-        x = init(key, shape, out_sharding=sharding)
-        assert x.sharding == sharding, (name, x.sharding)
-        np.save(f"{out_dir}/{name}.npy", np.asarray(x))
-    y = small_chunks(key, shape, out_sharding=cases["grid"])
-    np.save(f"{out_dir}/grid_three_tiles_per_step.npy", np.asarray(y))
-    with jax.set_mesh(line):
-        jitted = jax.jit(lambda k: init(k, shape, out_sharding=P(None, "d")))(key)
-        assert jitted.sharding.spec == P(None, "d"), jitted.sharding
-        np.save(f"{out_dir}/jit_spec.npy", np.asarray(jitted))
-    big = (8192, 16384)
-    sharding = NamedSharding(line, P("d", None))
-    compiled = jax.jit(lambda k: init(k, big, out_sharding=sharding)).lower(key).compile()
-    report["temp"] = compiled.memory_analysis().temp_size_in_bytes
-    report["output"] = compiled.memory_analysis().output_size_in_bytes
-    try:
-        init(key, (1001, 1400), out_sharding=sharding)
-    except ValueError as e:
-        report["error"] = str(e)
-    print(json.dumps(report))
-    """
+
+def eight_device_key() -> jax.Array:
+    return jax.random.key(7)
+
+
+def eight_device_sharding(name: str) -> NamedSharding:
+    """One of the layouts over the suite's 8 devices that `out_sharding` is tested with."""
+    line, grid = ("d",), ("a", "b")
+    if name == "rows":
+        return NamedSharding(mesh_of((8,), line), P("d", None))
+    if name == "columns":
+        return NamedSharding(mesh_of((8,), line), P(None, "d"))
+    if name == "rows_auto":
+        return NamedSharding(mesh_of((8,), line, AxisType.Auto), P("d"))
+    if name == "grid":
+        return NamedSharding(mesh_of((2, 4), grid), P("a", "b"))
+    if name == "two_axes_on_rows":
+        return NamedSharding(mesh_of((2, 4), grid), P(("b", "a"), None))
+    assert name == "partly_replicated", name
+    return NamedSharding(mesh_of((2, 4), grid), P(None, "b"))
+
+
+@pytest.fixture(scope="module")
+def unsharded():
+    """The values every layout must give: drawn on one device."""
+    return np.asarray(chunked(inits.lecun_normal())(eight_device_key(), EIGHT_DEVICE_SHAPE))
+
+
+@pytest.mark.parametrize(
+    "name", ["rows", "columns", "rows_auto", "grid", "two_axes_on_rows", "partly_replicated"]
 )
+def test_same_values_on_eight_devices(unsharded, name):
+    sharding = eight_device_sharding(name)
+    init = chunked(inits.lecun_normal())
+    x = init(eight_device_key(), EIGHT_DEVICE_SHAPE, out_sharding=sharding)
+    assert x.sharding == sharding, x.sharding
+    np.testing.assert_array_equal(np.asarray(x), unsharded)
 
 
-def test_same_values_on_eight_devices(tmp_path):
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    done = subprocess.run(
-        [sys.executable, "-c", EIGHT_DEVICES, str(tmp_path)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+def test_same_values_on_eight_devices_with_three_tiles_per_step(unsharded):
+    small_chunks = chunked(inits.lecun_normal(), 3 * 2**20)
+    sharding = eight_device_sharding("grid")
+    y = small_chunks(eight_device_key(), EIGHT_DEVICE_SHAPE, out_sharding=sharding)
+    np.testing.assert_array_equal(np.asarray(y), unsharded)
 
-    expected = np.asarray(chunked(inits.lecun_normal())(jax.random.key(7), (1000, 1400)))
-    names = ["rows", "columns", "rows_auto", "grid", "two_axes_on_rows", "partly_replicated"]
-    for name in names + ["grid_three_tiles_per_step", "jit_spec"]:
-        np.testing.assert_array_equal(np.load(tmp_path / f"{name}.npy"), expected, err_msg=name)
+
+def test_same_values_on_eight_devices_from_a_spec_under_jit(unsharded):
+    init = chunked(inits.lecun_normal())
+    with jax.set_mesh(mesh_of((8,), ("d",))):
+        draw = jax.jit(lambda k: init(k, EIGHT_DEVICE_SHAPE, out_sharding=P(None, "d")))
+        jitted = draw(eight_device_key())
+        assert jitted.sharding.spec == P(None, "d"), jitted.sharding
+    np.testing.assert_array_equal(np.asarray(jitted), unsharded)
+
+
+def test_each_of_eight_devices_fills_only_its_shard():
+    init = chunked(inits.lecun_normal())
+    sharding = eight_device_sharding("rows")
+    big = (8192, 16384)
+    draw = jax.jit(lambda k: init(k, big, out_sharding=sharding))
+    analysis = draw.lower(eight_device_key()).compile().memory_analysis()
+    assert analysis is not None  # XLA:CPU always reports it
     # Each device fills only its shard, with one tile's temporaries.
-    assert report["output"] == 8192 * 16384 * 4 // 8
-    assert report["temp"] <= 8 * 2**20, report["temp"]
-    assert "dimension of size 1001 is not divisible by the 8 devices" in report["error"]
+    assert analysis.output_size_in_bytes == 8192 * 16384 * 4 // 8
+    assert analysis.temp_size_in_bytes <= 8 * 2**20, analysis.temp_size_in_bytes
+
+
+def test_rows_that_do_not_divide_over_eight_devices_are_refused():
+    init = chunked(inits.lecun_normal())
+    with pytest.raises(ValueError) as info:
+        init(eight_device_key(), (1001, 1400), out_sharding=eight_device_sharding("rows"))
+    assert "dimension of size 1001 is not divisible by the 8 devices" in str(info.value)
