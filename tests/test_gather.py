@@ -1,19 +1,18 @@
 """Sharded stacks run through `fold` and `scan`, each layer gathered just before it runs (ZeRO-3).
 
-The device count is fixed when JAX starts, so the multi-device checks run in fresh processes
-with 4 or 8 forced CPU devices (`python tests/test_gather.py devices N`), which print a JSON
-dict of results that the tests below read. Every value is checked against the same stack,
+The multi-device checks run in this process, on the suite's eight CPU devices (`conftest.py`),
+or on the first four of them in the slow tier. Every value is checked against the same stack,
 unsharded, run by a Python loop over `eqx_lean.unstack` (gradients by differentiating that
-loop). Checks of bad arguments that one device can answer run in this process.
+loop). Checks of bad arguments that one device can answer run on one device.
 """
 
 import contextlib
-import json
+import dataclasses
+import importlib.util
 import os
-import subprocess
-import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import equinox as eqx
@@ -21,7 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from harness import keys_of, mesh_of
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, PRNGKeyArray
 
 import eqx_lean
@@ -31,12 +31,6 @@ from eqx_lean.internal import Block, BlockConfig
 NUM_LAYERS = 4
 DIM = 16
 BLOCK = BlockConfig(num_layers=NUM_LAYERS, dim=32, hidden=64, heads=4, kv_heads=2)
-REMATS: dict[str, Any] = {
-    "none": None,
-    "true": True,
-    "dots_saveable": jax.checkpoint_policies.dots_saveable,
-    "nested": "nested",
-}
 
 
 # --- layers under test ------------------------------------------------------------------------
@@ -96,7 +90,7 @@ def make_parallel_mlp(key: PRNGKeyArray) -> ParallelMLP:
     return ParallelMLP(key=key)
 
 
-# --- checks run with forced CPU devices -------------------------------------------------------
+# --- comparing against the unsharded loop -----------------------------------------------------
 
 
 def _differences(found: Any, expected: Any) -> list[str]:
@@ -184,65 +178,120 @@ def _expected(loop: Callable[..., Any], reference: Any, *args: Any) -> Any:
     return _jitted_value_and_grad(loop, reference, *jax.tree.map(np.asarray, args))
 
 
-def _compare(
-    results: dict[str, Any],
-    name: str,
-    run: Callable[..., Any],
-    sharded: Any,
-    expected: Any,
-    *args: Any,
-    eager: bool = False,
+def assert_matches_loop(
+    run: Callable[..., Any], sharded: Any, expected: Any, *args: Any, eager: bool = False
 ) -> None:
-    """Output and gradients of `run` on the sharded stack against the unsharded loop's."""
-    try:
-        found = (_value_and_grad if eager else _jitted_value_and_grad)(run, sharded, *args)
-    except Exception as e:
-        results[name] = [f"{type(e).__name__}: {str(e)[:500]}"]
-        return
-    results[name] = _differences(found, expected) + _misplaced(found[1], sharded)
+    """Output and gradients of `run` on the sharded stack match the unsharded loop's, and the
+    gradients are sharded as the stack is."""
+    found = (_value_and_grad if eager else _jitted_value_and_grad)(run, sharded, *args)
+    assert _differences(found, expected) + _misplaced(found[1], sharded) == []
 
 
-def _mesh(shape: tuple[int, ...], names: tuple[str, ...], kind: str) -> Any:
-    devices = jax.devices()[: int(np.prod(shape))]
-    if kind == "explicit":  # JAX's default: Explicit axes (since JAX 0.7)
-        return jax.make_mesh(shape, names, devices=devices)
-    return jax.make_mesh(shape, names, (AxisType.Auto,) * len(shape), devices=devices)
-
-
-def _eager_context(mesh: Any, kind: str) -> Any:
+def _eager_context(mesh: Mesh) -> Any:
     # Eager differentiation on Explicit axes needs the mesh as context (a JAX requirement).
-    return jax.set_mesh(mesh) if kind == "explicit" else contextlib.nullcontext()
+    explicit = mesh.axis_types == (AxisType.Explicit,) * len(mesh.axis_types)
+    return jax.set_mesh(mesh) if explicit else contextlib.nullcontext()
 
 
 def _fold_with(remat: Any) -> Callable[[Any, Array], Array]:
     return lambda stacked, x: eqx_lean.fold(stacked, x, remat=remat)
 
 
-def _mlp_checks(results: dict[str, Any], devices: int, kind: str, slow: bool) -> None:
-    """An Equinox MLP, unchanged: remat modes jitted, and eagerly."""
-    mesh = _mesh((devices,), ("data",), kind)
-    results[f"{kind}/axis-types"] = [t.name for t in mesh.axis_types]
-    keys = jax.random.split(jax.random.key(0), NUM_LAYERS)
+# --- the checks, on the suite's eight CPU devices (or the first four) -------------------------
+
+SLOW = pytest.mark.slow
+KINDS = {"explicit": AxisType.Explicit, "auto": AxisType.Auto}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def highest_precision() -> Iterator[None]:
+    """Every value here, the unsharded references included, at full float32 matmul precision
+    (set for the module, so that the module-scoped references below are computed under it)."""
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
+@pytest.fixture(
+    scope="module",
+    params=[
+        pytest.param((8, "explicit"), id="8-explicit"),
+        pytest.param((8, "auto"), id="8-auto"),
+        pytest.param((4, "explicit"), id="4-explicit", marks=SLOW),
+        pytest.param((4, "auto"), id="4-auto", marks=SLOW),
+    ],
+)
+def layout(request) -> tuple[int, str]:
+    """The device count and mesh axis type of a check: 8 devices by default, 4 with the slow
+    tier (the first 4 of the suite's 8)."""
+    return request.param
+
+
+@dataclasses.dataclass(frozen=True)
+class Reference:
+    """A check's mesh, the keys its stack is built from, its input(s), and the unsharded loop's
+    output and gradients for them."""
+
+    mesh: Mesh
+    keys: Array
+    args: tuple[Any, ...]
+    expected: Any
+
+
+@pytest.fixture(scope="module")
+def mlp(layout: tuple[int, str]) -> Reference:
+    """An Equinox MLP, unchanged, on a one-axis mesh."""
+    devices, kind = layout
+    keys = keys_of(NUM_LAYERS)
     reference = eqx_lean.build_stacked(make_mlp, keys)
-    sharded = eqx_lean.build_stacked(make_mlp, keys, sharding=eqx_lean.fsdp(mesh))
     x = jax.random.normal(jax.random.key(1), (DIM,))
-    expected = _expected(_loop_fold, reference, x)
-    for name, remat in REMATS.items():
-        if slow or name in DEFAULT_REMATS:
-            _compare(results, f"{kind}/mlp/fold/{name}", _fold_with(remat), sharded, expected, x)
-    with _eager_context(mesh, kind):
-        _compare(results, f"{kind}/mlp/eager", eqx_lean.fold, sharded, expected, x, eager=True)
-    try:
-        eager_forward = eqx_lean.fold(sharded, x)
-        results[f"{kind}/mlp/eager-forward"] = _differences(eager_forward, expected[0])
-    except Exception as e:
-        results[f"{kind}/mlp/eager-forward"] = [f"{type(e).__name__}: {e}"]
+    mesh = mesh_of((devices,), ("data",), KINDS[kind])
+    return Reference(mesh, keys, (x,), _expected(_loop_fold, reference, x))
 
 
-def _attention_checks(results: dict[str, Any], devices: int, kind: str) -> None:
+@pytest.fixture(scope="module")
+def mlp_stack(mlp: Reference) -> Any:
+    """The MLP stack sharded by `fsdp` over the mesh's one axis."""
+    return eqx_lean.build_stacked(make_mlp, mlp.keys, sharding=eqx_lean.fsdp(mlp.mesh))
+
+
+def test_make_mesh_default_is_explicit_and_auto_is_auto(mlp: Reference, layout: tuple[int, str]):
+    """The "explicit" checks run on the mesh `jax.make_mesh` makes by default (Explicit axes
+    since JAX 0.7); the "auto" ones on Auto axes."""
+    devices, kind = layout
+    expected = ("Explicit",) if kind == "explicit" else ("Auto",)
+    assert tuple(t.name for t in mlp.mesh.axis_types) == expected
+    if kind == "explicit":
+        default = jax.make_mesh((devices,), ("data",), devices=jax.devices()[:devices])
+        assert default == mlp.mesh
+
+
+REMATS = [
+    pytest.param(None, id="none"),
+    pytest.param(True, id="true"),
+    pytest.param(jax.checkpoint_policies.dots_saveable, id="dots_saveable", marks=SLOW),
+    pytest.param("nested", id="nested", marks=SLOW),
+]
+
+
+@pytest.mark.parametrize("remat", REMATS)
+def test_fsdp_mlp_fold_matches_unsharded_loop(mlp: Reference, mlp_stack: Any, remat: Any):
+    """Outputs and gradients within 1e-5; gradients sharded as the stack is."""
+    assert_matches_loop(_fold_with(remat), mlp_stack, mlp.expected, *mlp.args)
+
+
+def test_fsdp_mlp_fold_eagerly(mlp: Reference, mlp_stack: Any):
+    (x,) = mlp.args
+    eager_forward = eqx_lean.fold(mlp_stack, x)
+    assert _differences(eager_forward, mlp.expected[0]) == []
+    with _eager_context(mlp.mesh):
+        assert_matches_loop(eqx_lean.fold, mlp_stack, mlp.expected, x, eager=True)
+
+
+def test_fsdp_attention_scan_with_kv_cache(layout: tuple[int, str]):
     """Equinox attention with a per-layer KV cache, through `scan`."""
-    mesh = _mesh((devices,), ("data",), kind)
-    keys = jax.random.split(jax.random.key(0), NUM_LAYERS)
+    devices, kind = layout
+    mesh = mesh_of((devices,), ("data",), KINDS[kind])
+    keys = keys_of(NUM_LAYERS)
     reference = eqx_lean.build_stacked(make_attention, keys)
     sharded = eqx_lean.build_stacked(make_attention, keys, sharding=eqx_lean.fsdp(mesh))
     args = (
@@ -254,256 +303,173 @@ def _attention_checks(results: dict[str, Any], devices: int, kind: str) -> None:
         call = lambda layer, x, c: layer(x, c)  # noqa: E731
         return eqx_lean.scan(stacked, x, cache, call=call, remat=True)
 
-    expected = _expected(_loop_scan, reference, *args)
-    _compare(results, f"{kind}/attention/scan", scan, sharded, expected, *args)
+    assert_matches_loop(scan, sharded, _expected(_loop_scan, reference, *args), *args)
 
 
-def _block_checks(results: dict[str, Any], devices: int, kind: str, slow: bool) -> None:
-    """A Mistral-shaped block, bfloat16 weights and float32 norms, on a batch sharded over the
-    mesh axis that shards the stack (data parallel + fsdp), or over another one."""
-    mesh = _mesh((devices,), ("data",), kind)
-    keys = jax.random.split(jax.random.key(0), NUM_LAYERS)
+@pytest.fixture(scope="module")
+def block(layout: tuple[int, str]) -> Reference:
+    """A Mistral-shaped block, bfloat16 weights and float32 norms, on a batch of one row per
+    device (not yet placed on the one-axis mesh)."""
+    devices, kind = layout
+    keys = keys_of(NUM_LAYERS)
     reference = eqx_lean.build_stacked(make_block, keys, norms_in_float32)
-    sharded = eqx_lean.build_stacked(make_block, keys, norms_in_float32, eqx_lean.fsdp(mesh))
     x = jax.random.normal(jax.random.key(4), (devices, 6, BLOCK.dim))
-    expected = _expected(_loop_fold, reference, x)
-    x_data = jax.device_put(x, NamedSharding(mesh, P("data")))
+    mesh = mesh_of((devices,), ("data",), KINDS[kind])
+    return Reference(mesh, keys, (x,), _expected(_loop_fold, reference, x))
+
+
+def test_fsdp_bfloat16_block_with_data_parallel_batch(block: Reference, layout: tuple[int, str]):
+    """The batch sharded over the mesh axis that shards the stack (data parallel + fsdp)."""
+    fsdp = eqx_lean.fsdp(block.mesh)
+    sharded = eqx_lean.build_stacked(make_block, block.keys, norms_in_float32, fsdp)
+    x_data = jax.device_put(block.args[0], NamedSharding(block.mesh, P("data")))
     fold = _fold_with(True)
-    _compare(results, f"{kind}/block/data-parallel", fold, sharded, expected, x_data)
-    out_sharding = _jitted_value_and_grad(fold, sharded, x_data)[0].sharding
-    results[f"{kind}/block/output-sharding"] = str(out_sharding.spec)
-    if not slow:
-        return
-    mesh = _mesh((devices // 2, 2), ("data", "fsdp"), kind)
+    assert_matches_loop(fold, sharded, block.expected, x_data)
+    output_sharding = _jitted_value_and_grad(fold, sharded, x_data)[0].sharding
+    if layout[1] == "explicit":  # with Auto axes, where the output lands is XLA's choice
+        assert str(output_sharding.spec) == "P('data', None, None)"
+
+
+@SLOW
+def test_fsdp_and_data_parallel_on_different_axes(block: Reference, layout: tuple[int, str]):
+    """The stack sharded over "fsdp", the batch over "data", of a 2-D mesh."""
+    devices, kind = layout
+    mesh = mesh_of((devices // 2, 2), ("data", "fsdp"), KINDS[kind])
     fsdp = eqx_lean.fsdp(mesh, "fsdp")
-    sharded = eqx_lean.build_stacked(make_block, keys, norms_in_float32, fsdp)
-    x_data = jax.device_put(x, NamedSharding(mesh, P("data")))
-    _compare(results, f"{kind}/block/data-and-fsdp-axes", fold, sharded, expected, x_data)
+    sharded = eqx_lean.build_stacked(make_block, block.keys, norms_in_float32, fsdp)
+    x_data = jax.device_put(block.args[0], NamedSharding(mesh, P("data")))
+    assert_matches_loop(_fold_with(True), sharded, block.expected, x_data)
 
 
-def _tensor_parallel_checks(results: dict[str, Any], devices: int, kind: str, slow: bool) -> None:
-    mesh = _mesh((devices // 2, 2), ("data", "model"), kind)
-    keys = jax.random.split(jax.random.key(5), NUM_LAYERS)
+@pytest.fixture(scope="module")
+def tensor_parallel(layout: tuple[int, str]) -> Reference:
+    """Parallel MLPs on a data x model mesh, the batch sharded over "data"."""
+    devices, kind = layout
+    keys = keys_of(NUM_LAYERS, seed=5)
     reference = eqx_lean.build_stacked(make_parallel_mlp, keys)
     x = jax.random.normal(jax.random.key(6), (devices, DIM))
     expected = _expected(_loop_fold, reference, x)
+    mesh = mesh_of((devices // 2, 2), ("data", "model"), KINDS[kind])
     x = jax.device_put(x, NamedSharding(mesh, P("data")))
-    megatron = {"up": P("model", None), "down": P(None, "model")}
+    return Reference(mesh, keys, (x,), expected)
 
-    def by_name(specs: dict[str, Any]) -> Callable[[Any, Any], Any]:
-        return lambda path, leaf: NamedSharding(mesh, specs[jax.tree_util.keystr(path)[1:]])
 
-    # Tensor parallel only, kept as it is: nothing is gathered.
-    sharded = eqx_lean.build_stacked(make_parallel_mlp, keys, sharding=by_name(megatron))
+MEGATRON = {"up": P("model", None), "down": P(None, "model")}
+
+
+def _by_name(mesh: Mesh, specs: dict[str, Any]) -> Callable[[Any, Any], Any]:
+    return lambda path, leaf: NamedSharding(mesh, specs[jax.tree_util.keystr(path)[1:]])
+
+
+def test_gather_false_keeps_tensor_parallel_shards(tensor_parallel: Reference):
+    """Tensor parallel only, kept as it is: nothing is gathered."""
+    tp = tensor_parallel
+    (x,) = tp.args
+    megatron = _by_name(tp.mesh, MEGATRON)
+    sharded = eqx_lean.build_stacked(make_parallel_mlp, tp.keys, sharding=megatron)
     keep = lambda stacked, x: eqx_lean.fold(stacked, x, gather=False)  # noqa: E731
-    _compare(results, f"{kind}/tp/keep", keep, sharded, expected, x)
+    assert_matches_loop(keep, sharded, tp.expected, x)
     dynamic, static = eqx.partition(sharded, eqx.is_array)
     compiled = jax.jit(lambda d, x: keep(eqx.combine(d, static), x)).lower(dynamic, x).compile()
-    results[f"{kind}/tp/keep-all-gathers"] = (compiled.as_text() or "").count("all-gather(")
-
-    # fsdp over "data" and tensor parallel over "model": gathered over "data" only, with the
-    # user's spec given in each form (or over both axes); the layer records what it received
-    # (with Explicit axes; with Auto axes a traced array does not carry its sharding).
-    both = {"up": P("model", "data"), "down": P("data", "model")}
-    sharded = eqx_lean.build_stacked(make_parallel_mlp, keys, sharding=by_name(both))
-    abstract = eqx.filter_eval_shape(make_parallel_mlp, keys[0])
-    named = {name: NamedSharding(mesh, spec) for name, spec in megatron.items()}
-    gathers = {
-        "rule": lambda path, leaf: megatron[jax.tree_util.keystr(path)[1:]],
-        "prefix-specs": eqx.tree_at(
-            lambda m: (m.up, m.down), abstract, (megatron["up"], megatron["down"])
-        ),
-        "prefix-named": eqx.tree_at(
-            lambda m: (m.up, m.down), abstract, (named["up"], named["down"])
-        ),
-        "one-spec": P(),
-        "one-named": NamedSharding(mesh, P()),
-    }
-    for form, gather in gathers.items():
-        if not (slow or form in DEFAULT_GATHER_FORMS):
-            continue
-        received: list[str] = []
-
-        def call(layer: ParallelMLP, x: Array, received: list[str] = received) -> Array:
-            received.append(str(jax.typeof(layer.up).sharding.spec))
-            received.append(str(jax.typeof(layer.down).sharding.spec))
-            return layer(x)
-
-        def run(stacked: Any, x: Array, gather: Any = gather, call: Any = call) -> Array:
-            return eqx_lean.fold(stacked, x, call=call, gather=gather)
-
-        _compare(results, f"{kind}/tp/gather-{form}", run, sharded, expected, x)
-        results[f"{kind}/tp/gather-{form}/received"] = sorted(set(received))
+    assert (compiled.as_text() or "").count("all-gather(") == 0
 
 
-def _error_checks(results: dict[str, Any], devices: int) -> None:
-    mesh = _mesh((devices,), ("data",), "explicit")
-    keys = jax.random.split(jax.random.key(0), NUM_LAYERS)
-    make_linear = lambda key: eqx.nn.Linear(6, 8, key=key)  # noqa: E731
-    sharded = eqx_lean.build_stacked(make_linear, keys, sharding=eqx_lean.fsdp(mesh))
-    last_axis = lambda path, leaf: P(*([None] * (leaf.ndim - 1)), "data")  # noqa: E731
-    try:  # 4 or 8 devices do not divide the weight's 6 input features
-        eqx_lean.fold(sharded, jnp.zeros(6), call=lambda layer, x: x, gather=last_axis)
-        results["error/indivisible"] = "no error"
-    except Exception as e:
-        results["error/indivisible"] = f"{type(e).__name__}: {e}"
+def _gather_form(form: str, mesh: Mesh) -> Any:
+    """The user's gather spec (MEGATRON, or replicated for "one-") in the form named `form`."""
+    abstract = eqx.filter_eval_shape(make_parallel_mlp, jax.random.key(0))
+    named = {name: NamedSharding(mesh, spec) for name, spec in MEGATRON.items()}
+    if form == "rule":
+        return lambda path, leaf: MEGATRON[jax.tree_util.keystr(path)[1:]]
+    if form == "prefix-specs":
+        return eqx.tree_at(lambda m: (m.up, m.down), abstract, (MEGATRON["up"], MEGATRON["down"]))
+    if form == "prefix-named":
+        return eqx.tree_at(lambda m: (m.up, m.down), abstract, (named["up"], named["down"]))
+    if form == "one-spec":
+        return P()
+    assert form == "one-named", form
+    return NamedSharding(mesh, P())
 
 
-def _memory_checks(results: dict[str, Any]) -> None:
-    root = Path(__file__).resolve().parents[1]
-    sys.path.insert(0, str(root / "benchmarks"))
-    import sharded_forward  # pyright: ignore[reportMissingImports]
-
-    for axis_type in (AxisType.Explicit, AxisType.Auto):
-        results[f"memory/{axis_type.name}"] = sharded_forward.forward_memory(8, axis_type)
-
-
-DEFAULT_REMATS = ("none", "true")
-DEFAULT_GATHER_FORMS = ("rule", "one-spec")
-
-
-def _device_checks(devices: int, slow: bool) -> dict[str, Any]:
-    """Every check, on `devices` forced CPU devices; `slow` adds the rest of the matrix."""
-    assert len(jax.devices()) == devices
-    results: dict[str, Any] = {"devices": devices, "slow": slow}
-    with jax.default_matmul_precision("highest"):
-        for kind in ("explicit", "auto"):
-            _mlp_checks(results, devices, kind, slow)
-            _attention_checks(results, devices, kind)
-            _block_checks(results, devices, kind, slow)
-            _tensor_parallel_checks(results, devices, kind, slow)
-    _error_checks(results, devices)
-    if devices == 8:
-        _memory_checks(results)
-    return results
-
-
-# --- the tests --------------------------------------------------------------------------------
-
-_MARKER = "EQX_LEAN_RESULTS:"
-
-
-def _run_devices(devices: int, slow: bool) -> dict[str, Any]:
-    repo = str(Path(eqx_lean.__file__).resolve().parents[1])
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
-    env["PYTHONPATH"] = os.pathsep.join([repo, *filter(None, [env.get("PYTHONPATH")])])
-    env.pop("JAX_PLATFORMS", None)
-    command = [sys.executable, __file__, "devices", str(devices), *(["--slow"] if slow else [])]
-    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    lines = [line for line in proc.stdout.splitlines() if line.startswith(_MARKER)]
-    assert lines, f"no results printed; stdout ended with:\n{proc.stdout[-2000:]}"
-    return json.loads(lines[-1][len(_MARKER) :])
-
-
-@pytest.fixture(
-    scope="module",
-    params=[
-        pytest.param((8, False), id="8-devices"),
-        pytest.param((4, True), id="4-devices-full", marks=pytest.mark.slow),
-        pytest.param((8, True), id="8-devices-full", marks=pytest.mark.slow),
-    ],
-)
-def sharded(request) -> dict[str, Any]:
-    """The checks' results: by default a part of them on 8 devices, with `-m slow` all of them
-    on 4 and on 8 devices (about a minute of CPU time each)."""
-    devices, slow = request.param
-    results = _run_devices(devices, slow)
-    # The tests decide what to skip from these: they must be the run asked for.
-    assert (results.get("devices"), results.get("slow")) == (devices, slow), results
-    return results
-
-
-KINDS = ["explicit", "auto"]
-
-
-def _result(sharded: dict[str, Any], key: str, *, default: bool = True) -> Any:
-    """The worker's result `key`, which must be there. A case outside the default run's part
-    of the matrix (`default=False`) is skipped by a default run: the test decides, from the
-    same constants the worker reads, never from a missing result."""
-    if not (default or sharded["slow"]):
-        pytest.skip(f"{key}: part of the full matrix, run with `-m slow`")
-    assert key in sharded, f"the worker gave no result {key!r}"
-    return sharded[key]
-
-
-@pytest.mark.parametrize("kind", KINDS)
-def test_make_mesh_default_is_explicit_and_auto_is_auto(sharded, kind):
-    expected = ["Explicit"] if kind == "explicit" else ["Auto"]
-    assert _result(sharded, f"{kind}/axis-types") == expected
-
-
-@pytest.mark.parametrize("remat", list(REMATS))
-@pytest.mark.parametrize("kind", KINDS)
-def test_fsdp_mlp_fold_matches_unsharded_loop(sharded, kind, remat):
-    """Outputs and gradients within 1e-5; gradients sharded as the stack is."""
-    key = f"{kind}/mlp/fold/{remat}"
-    assert _result(sharded, key, default=remat in DEFAULT_REMATS) == []
-
-
-@pytest.mark.parametrize("kind", KINDS)
-def test_fsdp_mlp_fold_eagerly(sharded, kind):
-    assert _result(sharded, f"{kind}/mlp/eager-forward") == []
-    assert _result(sharded, f"{kind}/mlp/eager") == []
-
-
-@pytest.mark.parametrize("kind", KINDS)
-def test_fsdp_attention_scan_with_kv_cache(sharded, kind):
-    assert _result(sharded, f"{kind}/attention/scan") == []
-
-
-@pytest.mark.parametrize("kind", KINDS)
-def test_fsdp_bfloat16_block_with_data_parallel_batch(sharded, kind):
-    assert _result(sharded, f"{kind}/block/data-parallel") == []
-    output_sharding = _result(sharded, f"{kind}/block/output-sharding")
-    if kind == "explicit":  # with Auto axes, where the output lands is XLA's choice
-        assert output_sharding == "P('data', None, None)"
-
-
-@pytest.mark.parametrize("kind", KINDS)
-def test_fsdp_and_data_parallel_on_different_axes(sharded, kind):
-    # The worker runs it in the full matrix only (`_block_checks` with `slow`).
-    assert _result(sharded, f"{kind}/block/data-and-fsdp-axes", default=False) == []
-
-
-@pytest.mark.parametrize("kind", KINDS)
-def test_gather_false_keeps_tensor_parallel_shards(sharded, kind):
-    assert _result(sharded, f"{kind}/tp/keep") == []
-    assert _result(sharded, f"{kind}/tp/keep-all-gathers") == 0
-
-
-GATHER_FORMS = ["rule", "prefix-specs", "prefix-named", "one-spec", "one-named"]
+GATHER_FORMS = [
+    "rule",
+    pytest.param("prefix-specs", marks=SLOW),
+    pytest.param("prefix-named", marks=SLOW),
+    "one-spec",
+    pytest.param("one-named", marks=SLOW),
+]
 
 
 @pytest.mark.parametrize("form", GATHER_FORMS)
-@pytest.mark.parametrize("kind", KINDS)
-def test_gather_to_a_user_spec(sharded, kind, form):
-    """fsdp over "data" and tensor parallel over "model", gathered over "data" only (or all)."""
-    default = form in DEFAULT_GATHER_FORMS
-    assert _result(sharded, f"{kind}/tp/gather-{form}", default=default) == []
-    received = _result(sharded, f"{kind}/tp/gather-{form}/received")
-    if kind == "explicit":
+def test_gather_to_a_user_spec(tensor_parallel: Reference, layout: tuple[int, str], form: str):
+    """fsdp over "data" and tensor parallel over "model", gathered over "data" only (or all).
+
+    The layer records the shardings it receives; they are checked with Explicit axes only (with
+    Auto axes a traced array does not carry its sharding)."""
+    tp = tensor_parallel
+    (x,) = tp.args
+    both = _by_name(tp.mesh, {"up": P("model", "data"), "down": P("data", "model")})
+    sharded = eqx_lean.build_stacked(make_parallel_mlp, tp.keys, sharding=both)
+    gather = _gather_form(form, tp.mesh)
+    received: set[str] = set()
+
+    def call(layer: ParallelMLP, x: Array) -> Array:
+        received.add(str(jax.typeof(layer.up).sharding.spec))
+        received.add(str(jax.typeof(layer.down).sharding.spec))
+        return layer(x)
+
+    def run(stacked: Any, x: Array) -> Array:
+        return eqx_lean.fold(stacked, x, call=call, gather=gather)
+
+    assert_matches_loop(run, sharded, tp.expected, x)
+    if layout[1] == "explicit":
         if form.startswith("one-"):
-            assert received == ["P(None, None)"]
+            assert sorted(received) == ["P(None, None)"]
         else:
-            assert received == ["P('model', None)", "P(None, 'model')"]
+            assert sorted(received) == ["P('model', None)", "P(None, 'model')"]
 
 
-def test_error_gather_spec_not_dividing_a_leaf(sharded):
-    message = _result(sharded, "error/indivisible")
-    assert message.startswith("ValueError: `gather`: leaf .weight of shape (8, 6)"), message
+@pytest.mark.parametrize("devices", [8, pytest.param(4, marks=SLOW)])
+def test_error_gather_spec_not_dividing_a_leaf(devices: int):
+    mesh = mesh_of((devices,), ("data",))
+    make_linear = lambda key: eqx.nn.Linear(6, 8, key=key)  # noqa: E731
+    sharded = eqx_lean.build_stacked(make_linear, keys_of(NUM_LAYERS), sharding=eqx_lean.fsdp(mesh))
+    last_axis = lambda path, leaf: P(*([None] * (leaf.ndim - 1)), "data")  # noqa: E731
+    with pytest.raises(ValueError) as caught:  # 4 or 8 devices do not divide 6 input features
+        eqx_lean.fold(sharded, jnp.zeros(6), call=lambda layer, x: x, gather=last_axis)
+    message = str(caught.value)
+    assert message.startswith("`gather`: leaf .weight of shape (8, 6)"), message
     assert "not divisible" in message, message
 
 
-def test_forward_memory_is_a_shard_plus_a_few_layers(sharded):
+@pytest.fixture(scope="module")
+def sharded_forward() -> ModuleType:
+    """`benchmarks/sharded_forward.py`, imported into this process. Its `forward_memory` only
+    compiles, on the first 8 of this process's devices. Importing it sets `XLA_FLAGS` (for its
+    own runs); by then this process's backend has started, and the variable is restored, so
+    that no subprocess a later test starts inherits it."""
+    assert len(jax.devices()) == 8  # starts the backend before the import sets XLA_FLAGS
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "sharded_forward.py"
+    spec = importlib.util.spec_from_file_location("sharded_forward", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    xla_flags = os.environ.get("XLA_FLAGS")
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        if xla_flags is None:
+            os.environ.pop("XLA_FLAGS", None)
+        else:
+            os.environ["XLA_FLAGS"] = xla_flags
+    return module
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto], ids=lambda t: t.name)
+def test_forward_memory_is_a_shard_plus_a_few_layers(sharded_forward, axis_type: AxisType):
     """Per device: stack / devices + 3 layers + 4 MiB of arguments, outputs and temporaries."""
-    if sharded["devices"] != 8:
-        pytest.skip("measured on 8 devices")
-    for axis_type in ("Explicit", "Auto"):
-        m = _result(sharded, f"memory/{axis_type}")
-        assert m["total"] <= m["bar"], (axis_type, m)
-        # The gathered layers are temporaries: the arguments are the shard and the input.
-        assert m["argument"] <= m["stack"] / 8 + 2**20, (axis_type, m)
+    m = sharded_forward.forward_memory(8, axis_type)
+    assert m["total"] <= m["bar"], (axis_type, m)
+    # The gathered layers are temporaries: the arguments are the shard and the input.
+    assert m["argument"] <= m["stack"] / 8 + 2**20, (axis_type, m)
 
 
 # --- errors, on one device --------------------------------------------------------------------
@@ -570,17 +536,6 @@ def test_gather_is_a_no_op_off_a_mesh():
         return str(jax.make_jaxpr(fold)(dynamic))
 
     assert jaxpr(True) == jaxpr(False)
-
-
-def _main(argv: list[str]) -> None:
-    jax.config.update("jax_numpy_dtype_promotion", "strict")
-    jax.config.update("jax_numpy_rank_promotion", "raise")
-    results = _device_checks(int(argv[1]), slow="--slow" in argv)
-    print(_MARKER + json.dumps(results), flush=True)
-
-
-if __name__ == "__main__":
-    _main(sys.argv[1:])
 
 
 def test_the_gather_barrier_is_lowered_for_cpu_only():
