@@ -29,6 +29,11 @@ def bits(x: Any) -> np.ndarray:
     return x.view(f"u{x.dtype.itemsize}") if x.dtype.kind in "fcV" else x
 
 
+def arrays(tree: Any) -> list[Any]:
+    """The array leaves of `tree`, in order."""
+    return jax.tree.leaves(eqx.filter(tree, eqx.is_array))
+
+
 def assert_bitwise_equal(actual: Any, expected: Any) -> None:
     """`actual` is `expected`: the same tree structure, the same type (shape, dtype and, on
     Explicit mesh axes, sharding) of every array leaf, the same bits, and equal other leaves.

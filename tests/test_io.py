@@ -16,7 +16,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import safetensors.numpy
-from harness import assert_bitwise_equal, bits, keys_of, mesh_of
+from harness import arrays, assert_bitwise_equal, bits, keys_of, mesh_of
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from safetensors import safe_open
 
@@ -60,11 +60,6 @@ def make_block(key):
 
 def keep_norm_f32(path, leaf):
     return jnp.float32 if jax.tree_util.keystr(path) == ".norm" else jnp.bfloat16
-
-
-def arrays(tree):
-    """The array leaves of `tree`, in order."""
-    return jax.tree.leaves(eqx.filter(tree, eqx.is_array))
 
 
 def random_like(tree, dtype, seed):

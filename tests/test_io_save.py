@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import safetensors.numpy
-from harness import mesh_of
+from harness import bits, mesh_of
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eqx_lean
@@ -64,10 +64,6 @@ def stacked(num_layers: int, seed: int, width: int = 8, dtype: Any = np.float32)
 def tensors_of(tree: dict, names: dict = NAMES) -> dict[str, np.ndarray]:
     """The checkpoint's expected contents, by hand: one tensor per layer and leaf."""
     return {names[k].format(i=i): np.asarray(v[i]) for k, v in tree.items() for i in range(len(v))}
-
-
-def bits(x: np.ndarray) -> np.ndarray:
-    return x.view(f"u{x.dtype.itemsize}") if x.dtype.kind in "fV" else x
 
 
 def read_checkpoint(path: Path, weights_name: str = "model.safetensors") -> dict[str, np.ndarray]:

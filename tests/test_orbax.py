@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from harness import bits
+from harness import arrays, bits
 from jax.sharding import NamedSharding, PartitionSpec as P
 from test_docs import code_blocks
 
@@ -30,11 +30,6 @@ PAGE = "docs/orbax.md"
 class Page(NamedTuple):
     names: dict[str, Any]  # the namespace the page's blocks ran in
     directory: Path  # where they ran: their relative paths are relative to it
-
-
-def arrays(tree):
-    """The array leaves of `tree`, in order."""
-    return jax.tree.leaves(eqx.filter(tree, eqx.is_array))
 
 
 @pytest.fixture(scope="module")
