@@ -6,12 +6,12 @@ first an uninterrupted save (whose `steps` are the trace of every hook call), th
 This process imports eqx_lean but never starts a JAX backend (the models hold numpy arrays, so
 saving them runs no JAX computation): it can then fork cheaply and safely, once per case. Each
 case is a copy of the layout template (`cp -a`, which keeps hard and symbolic links); a forked
-child saves over the target in the copy and is killed with SIGKILL, either by a hook of
+child saves over the destination in the copy and is killed with SIGKILL, either by a hook of
 `eqx_lean._io.fs` at its k-th call ("before" or "after" an operation) or by this process after
 a delay. The test then checks every copy.
 
 SPEC keys: `kind` ("stacked" or "hf"), `model` (a pickle of the new model and, for "stacked",
-its names), `template` (a directory), `target` (relative to it), `cases` (a directory for the
+its names), `template` (a directory), `destination` (relative to it), `cases` (a directory for the
 copies), `steps` (the hook calls to kill at: see `select_steps`), `delays` (seconds),
 `delay_fractions` (of the uninterrupted save's time), `no_exchange` (force the fallback
 without `renameat2`), `save` (the save's keyword arguments).
@@ -31,14 +31,14 @@ from eqx_lean.internal import fs
 
 
 def save(spec: dict, model, world: str) -> None:
-    target = os.path.join(world, spec["target"])
+    destination = os.path.join(world, spec["destination"])
     if spec["kind"] == "hf":
         from eqx_lean.hf import save_hf
 
-        save_hf(model, target, **spec["save"])
+        save_hf(model, destination, **spec["save"])
     else:
         stacked, names = model
-        eqx_lean.save_stacked(target, stacked, names, **spec["save"])
+        eqx_lean.save_stacked(destination, stacked, names, **spec["save"])
 
 
 def child(spec: dict, model, world: str, progress: str, kill_at: int | None) -> None:

@@ -1,9 +1,9 @@
 """Saving (`eqx_lean._io.save`, `eqx_lean._io.directory`): a checkpoint directory is one unit.
 
-What a save owns, carries over and refuses; the targets it refuses; modes; links; the notes of a
-failed save; and the fault-injection suite: saves killed (SIGKILL) before and after every
-filesystem operation, and at spread delays, over plain, hard-linked, symbolically linked and
-Hugging-Face-cache targets, each leaving exactly the old or exactly the new checkpoint.
+What a save owns, carries over and refuses; the destinations it refuses; modes; links; the
+notes of a failed save; and the fault-injection suite: saves killed (SIGKILL) before and after
+every filesystem operation, and at spread delays, over plain, hard-linked, symbolically linked
+and Hugging-Face-cache destinations, each leaving exactly the old or exactly the new checkpoint.
 """
 
 import hashlib
@@ -111,8 +111,8 @@ def snapshot(root: Path, exclude: tuple[str, ...] = ()) -> dict[str, tuple]:
     return found
 
 
-def leftovers(target: Path) -> list[str]:
-    return sorted(p.name for p in target.parent.glob(f".{target.name}.*-*"))
+def leftovers(destination: Path) -> list[str]:
+    return sorted(p.name for p in destination.parent.glob(f".{destination.name}.*-*"))
 
 
 def add_extras(ckpt: Path) -> None:
@@ -365,7 +365,7 @@ def test_mount_points_are_refused(old, monkeypatch):
         save(ckpt)
 
 
-def test_a_mount_point_inside_the_target_is_refused(old, monkeypatch):
+def test_a_mount_point_inside_the_destination_is_refused(old, monkeypatch):
     # A filesystem mounted inside the checkpoint would be copied into the new checkpoint, then
     # its files deleted with the old one.
     ckpt, _ = old
@@ -469,7 +469,7 @@ def test_read_only_directory_is_refused_for_an_unprivileged_user(tmp_path):
         shutil.rmtree(root)
 
 
-def test_file_and_dangling_link_targets_are_refused(tmp_path):
+def test_file_and_dangling_link_destinations_are_refused(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(ValueError, match="`path` must be a directory"):
         save(tmp_path / "file")
@@ -482,10 +482,10 @@ def test_file_and_dangling_link_targets_are_refused(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------
-# Links: nothing outside the target changes
+# Links: nothing outside the destination changes
 
 
-def test_symlinked_target_keeps_the_link_and_replaces_what_it_points_to(old):
+def test_symlinked_destination_keeps_the_link_and_replaces_what_it_points_to(old):
     ckpt, _ = old
     link = ckpt.parent / "latest"
     os.symlink("ckpt", link)
@@ -507,7 +507,7 @@ def test_hard_linked_copy_leaves_the_original_byte_identical(old):
         assert os.stat(copy / p).st_nlink == 1 and os.stat(ckpt / p).st_nlink == 1
 
 
-def test_links_inside_the_target_are_copied_or_kept_as_links(tmp_path):
+def test_links_inside_the_destination_are_copied_or_kept_as_links(tmp_path):
     ckpt = tmp_path / "ckpt"
     save(ckpt)
     shared = tmp_path / "shared"
@@ -559,7 +559,7 @@ def failing_at(step: int):
 
 
 def test_a_failure_at_any_step_says_what_became_of_the_checkpoint(old):
-    """An error (a full disk, an interrupt) at every step of a save: before the swap the target
+    """An error (a full disk, an interrupt) at every step of a save: before the swap the destination
     holds the old checkpoint, unchanged, the partial one is deleted and the notes say so; after,
     the new one is in place."""
     ckpt, tree = old
@@ -658,11 +658,11 @@ def test_save_under_a_global_mesh(tmp_path):
 
 class World(NamedTuple):
     template: Path  # the whole layout; each case is a copy of it
-    target: str  # the path the save is given, relative to the layout
+    destination: str  # the path the save is given, relative to the layout
     real: str  # the directory it replaces
 
     def outside(self, root: Path) -> dict[str, tuple]:
-        """Everything under `root` outside the target, its leftovers aside."""
+        """Everything under `root` outside the destination, its leftovers aside."""
         parent = os.path.dirname(self.real)
         name = os.path.basename(self.real)
         spare = [os.path.join(parent, p.name) for p in (root / parent).glob(f".{name}.*-*")]
@@ -693,7 +693,7 @@ def make_world(root: Path, layout: str, write_old) -> World:
         (repo / "refs").mkdir()
         (repo / "refs" / "main").write_text("0123abc")
         world = World(template, "hub/models--org--tiny/snapshots/0123abc", "")
-        world = world._replace(real=world.target)
+        world = world._replace(real=world.destination)
     else:
         base = {"plain": "ckpt", "hardlinks": "original", "symlink": "real"}[layout]
         write_old(template / base)
@@ -723,7 +723,7 @@ def run_faults(tmp_path: Path, kind: str, world: World, model, save_kwargs: dict
         kind=kind,
         model=str(model_file),
         template=str(world.template),
-        target=world.target,
+        destination=world.destination,
         cases=str(cases),
         save=save_kwargs,
         **{"steps": [], "delays": [], "no_exchange": False, **spec},
@@ -743,25 +743,25 @@ def run_faults(tmp_path: Path, kind: str, world: World, model, save_kwargs: dict
     return complete, killed
 
 
-def check_new_checkpoint(world: World, target: Path, expected: dict, config: dict | None):
+def check_new_checkpoint(world: World, destination: Path, expected: dict, config: dict | None):
     """The new checkpoint, checked by hand: its tensors, its config, and every carried file as
     a regular copy (a link kept only where it points to a directory or nowhere)."""
-    assert_tensors_equal(read_checkpoint(target), expected)
+    assert_tensors_equal(read_checkpoint(destination), expected)
     if config is not None:
-        assert json.loads((target / "config.json").read_text()) == config
-        assert not (target / "config.json").is_symlink()
+        assert json.loads((destination / "config.json").read_text()) == config
+        assert not (destination / "config.json").is_symlink()
     old = world.template / world.real
     for relative, entry in snapshot(old).items():
         name = Path(relative).name
         if name.endswith((".safetensors", ".index.json")) or relative == "config.json":
             continue
-        found = target / relative
+        found = destination / relative
         if entry[0] == "link" and (old / relative).is_dir():
             assert os.readlink(found) == entry[1], relative
         elif entry[0] != "dir":
             assert not found.is_symlink() and os.stat(found).st_nlink == 1, relative
             assert found.read_bytes() == (old / relative).read_bytes(), relative
-    assert stat.S_IMODE(os.stat(target).st_mode) == 0o750
+    assert stat.S_IMODE(os.stat(destination).st_mode) == 0o750
 
 
 def sweep(
@@ -769,10 +769,11 @@ def sweep(
 ):
     """Kills a save over `layout` as `spec` says and checks every case: a child to be killed in
     the hook died there (killed, never completed, at exactly that hook call), one killed after a
-    delay may have completed first; outside the target, every file byte-identical; the target
-    exactly the old or exactly the new checkpoint (every file, link and mode), as the point of
-    the kill requires; `load(target, state)` checks what eqx_lean loads from the first case of
-    each state (the others hold the same bytes), or from every case with `load_every=True`."""
+    delay may have completed first; outside the destination, every file byte-identical; the
+    destination exactly the old or exactly the new checkpoint (every file, link and mode), as the
+    point of the kill requires; `load(destination, state)` checks what eqx_lean loads from the
+    first case of each state (the others hold the same bytes), or from every case with
+    `load_every=True`."""
     world = make_world(tmp_path / "world", layout, write_old)
     server_spec = {k: v for k, v in spec.items() if k != "load_every"}
     complete, killed = run_faults(tmp_path, kind, world, new_model, save_kwargs, **server_spec)
@@ -787,7 +788,7 @@ def sweep(
     results = []
     for case in killed:
         root = Path(case["world"])
-        target = root / world.real
+        destination = root / world.real
         where = (case["case"], case["steps"][-1:] if case["steps"] else None, case["outcome"])
         if case["kill_at"] is None:  # killed from outside after a delay: maybe after the end
             assert case["outcome"] in ("killed", "completed"), where
@@ -795,12 +796,14 @@ def sweep(
             assert case["outcome"] == "killed", where
             assert len(case["steps"]) == case["kill_at"], where
         assert world.outside(root) == outside, where
-        if world.target != world.real:
-            assert os.readlink(root / world.target) == os.readlink(world.template / world.target)
-        state = next((s for s, snap in states.items() if snapshot(target) == snap), None)
-        if state is None and spec.get("no_exchange") and not target.exists():
+        if world.destination != world.real:
+            assert os.readlink(root / world.destination) == os.readlink(
+                world.template / world.destination
+            )
+        state = next((s for s, snap in states.items() if snapshot(destination) == snap), None)
+        if state is None and spec.get("no_exchange") and not destination.exists():
             # Between the two renames of the fallback: the old checkpoint lies aside.
-            (aside,) = list(target.parent.glob(f".{target.name}.old-*"))
+            (aside,) = list(destination.parent.glob(f".{destination.name}.old-*"))
             assert snapshot(aside) == states["old"], where
             renames = [i + 1 for i, s in enumerate(trace) if s[1] == "rename"]
             assert case["kill_at"] in renames[1:3], where  # after the first, before the second
@@ -809,18 +812,20 @@ def sweep(
         assert state is not None, where
         if case["kill_at"] is not None and swap is not None:
             assert state == ("new" if case["kill_at"] > swap else "old"), where
-        assert len(leftovers(target)) <= 1, where
+        assert len(leftovers(destination)) <= 1, where
         if state not in results or spec.get("load_every"):
-            load(target, state)  # by default one case per state: the others hold the same bytes
+            load(
+                destination, state
+            )  # by default one case per state: the others hold the same bytes
         results.append(state)
     return trace, killed, results
 
 
 def stacked_loader(old_tree, new_tree):
-    def load(target: Path, state: str) -> None:
+    def load(destination: Path, state: str) -> None:
         tree = old_tree if state == "old" else new_tree
         like = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in tree.items()}
-        loaded = eqx_lean.load_stacked(target, like, NAMES)
+        loaded = eqx_lean.load_stacked(destination, like, NAMES)
         for k, v in tree.items():
             np.testing.assert_array_equal(bits(np.asarray(loaded[k])), bits(v), err_msg=k)
 
@@ -867,7 +872,7 @@ def test_save_stacked_killed_before_and_after_every_step(tmp_path, layout):
     for case in killed:  # each child died in the hook call it was to die in, not later
         assert case["outcome"] == "killed", case
         assert len(case["steps"]) == case["kill_at"], case
-    # `sweep` found every case's target exactly the old or the new checkpoint: both occur.
+    # `sweep` found every case's destination exactly the old or the new checkpoint: both occur.
     assert len(results) == len(killed) and set(results) == {"old", "new"}, results
 
 
@@ -880,7 +885,7 @@ def test_save_stacked_killed_at_every_step_full(tmp_path, layout):
 
 @pytest.mark.parametrize("layout", ["plain"])
 def test_save_without_atomic_exchange_killed_at_every_step(tmp_path, layout):
-    """Where `renameat2` is missing, two renames: between them the target is missing and the
+    """Where `renameat2` is missing, two renames: between them the destination is missing and the
     old checkpoint lies in `.<name>.old-*`, as the docs say; at every other point, old or new."""
     trace, killed, results = stacked_sweep(tmp_path, layout, "all", no_exchange=True)
     assert ("before", "exchange") in [s[:2] for s in trace]  # tried, refused, then renames
@@ -949,8 +954,8 @@ def hf_sweep(tmp_path, layout, steps, delay_fractions=(), big=False, load_every=
     config = new_config.to_hf() | {"dtype": "bfloat16"}
     models = {"old": old_model, "new": new_model}
 
-    def load(target: Path, state: str) -> None:
-        loaded, model = load_hf(target), models[state]
+    def load(destination: Path, state: str) -> None:
+        loaded, model = load_hf(destination), models[state]
         assert loaded.config == model.config and loaded.dtype == model.dtype, state
         for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(model), strict=True):
             assert a.shape == b.shape and a.dtype == b.dtype, state
@@ -992,7 +997,7 @@ def test_save_hf_killed_before_and_after_sampled_steps(tmp_path, layout):
     for case in killed:  # each child died in the hook call it was to die in, not later
         assert case["outcome"] == "killed", case
         assert len(case["steps"]) == case["kill_at"], case
-    # `sweep` found every case's target exactly the old or the new checkpoint: both occur.
+    # `sweep` found every case's destination exactly the old or the new checkpoint: both occur.
     assert len(results) == len(killed) and set(results) == {"old", "new"}, results
 
 
