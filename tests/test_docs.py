@@ -188,6 +188,9 @@ def _page_env(devices: int) -> dict[str, str]:
     env = _mkdocs_env()
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     env["JAX_PLATFORMS"] = "cpu"
+    # A page's `python` is the interpreter running the tests, as in the README's activated
+    # environment, also when pytest is started by that interpreter's full path.
+    env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
     return env
 
 
