@@ -1,4 +1,5 @@
-"""What many test files share: bitwise assertions, keys and meshes over the suite's devices.
+"""What many test files share: bitwise assertions, keys and meshes over the suite's devices,
+and a small stacked layer to build (`GPTBlock`).
 
 Imported as `from harness import ...` (pytest puts `tests/` on `sys.path`, as it does for the
 worker modules beside this file). Fixtures live in `conftest.py`; plain helpers live here.
@@ -6,15 +7,23 @@ worker modules beside this file). Fixtures live in `conftest.py`; plain helpers 
 The suite's own process has eight CPU devices (`conftest.py` sets `jax_num_cpu_devices`), so
 a test takes the first `n` of them for an `n`-device mesh; the subprocesses that tests start
 keep one device unless they ask for more.
+
+`GPTBlock` is the tests' own model of "a real layer": the engine is tested on it, not on the
+benchmark's Mistral-shaped block in `eqx_lean.bench`, which ships with the package and may
+change with what the benchmark measures. Tests of the benchmark itself use the benchmark's block.
 """
 
+import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh
+from jaxtyping import Array, Float, PRNGKeyArray
 
 
 def keys_of(n: int, seed: int = 0) -> jax.Array:
@@ -58,3 +67,114 @@ def mesh_of(
     devices = jax.devices()[: int(np.prod(shape))]
     assert len(devices) == int(np.prod(shape)), f"{shape} needs more than {len(devices)} devices"
     return jax.make_mesh(tuple(shape), tuple(names), (axis_type,) * len(shape), devices=devices)
+
+
+# --- a GPT-2-style block: the stacked layer of many tests -------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    """The sizes of a `GPTBlock`, and how many of them a test stacks (`num_layers`).
+
+    `heads` must divide `dim`. `bias`: whether the linear layers have biases (GPT-2's do), but
+    for the key projection's, which never does (see `GPTAttention`); without, their `bias`
+    fields are `None`, which some sharding tests need.
+    """
+
+    num_layers: int
+    dim: int
+    hidden: int
+    heads: int
+    bias: bool = True
+
+    def __post_init__(self) -> None:
+        # Checked here, so that a test's config fails where it is written, not in a reshape.
+        if self.dim % self.heads:
+            raise ValueError(f"`heads` ({self.heads}) must divide `dim` ({self.dim}).")
+
+
+class GPTAttention(eqx.Module):
+    """Causal multi-head self-attention over one sequence, with a linear layer for each of the
+    query, key, value and output projections (`dim` to `dim`).
+
+    The key projection has no bias (as in Whisper): a bias of the keys adds the same amount to
+    every score of a query, which softmax ignores, so its gradient is exactly zero and would
+    be computed as rounding noise that no tolerance relative to the gradient can judge.
+    """
+
+    query_proj: eqx.nn.Linear
+    key_proj: eqx.nn.Linear
+    value_proj: eqx.nn.Linear
+    output_proj: eqx.nn.Linear
+    num_heads: int = eqx.field(static=True)
+
+    def __init__(self, config: GPTConfig, *, key: PRNGKeyArray):
+        kq, kk, kv, ko = jax.random.split(key, 4)
+        dim, bias = config.dim, config.bias
+        self.query_proj = eqx.nn.Linear(dim, dim, use_bias=bias, key=kq)
+        self.key_proj = eqx.nn.Linear(dim, dim, use_bias=False, key=kk)
+        self.value_proj = eqx.nn.Linear(dim, dim, use_bias=bias, key=kv)
+        self.output_proj = eqx.nn.Linear(dim, dim, use_bias=bias, key=ko)
+        self.num_heads = config.heads
+
+    def __call__(self, x: Float[Array, "seq dim"]) -> Float[Array, "seq dim"]:
+        seq, dim = x.shape
+        head_dim = dim // self.num_heads
+
+        def heads(linear: eqx.nn.Linear) -> Float[Array, "seq heads head_dim"]:
+            return jax.vmap(linear)(x).reshape(seq, self.num_heads, head_dim)
+
+        q, k, v = heads(self.query_proj), heads(self.key_proj), heads(self.value_proj)
+        scores = jnp.einsum("qhd,khd->hqk", q, k) / math.sqrt(head_dim)
+        # Of rank 3, as `scores` is: the suite raises on implicit rank promotion.
+        causal = jnp.tril(jnp.ones((1, seq, seq), dtype=bool))
+        scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
+        mixed = jnp.einsum("hqk,khd->qhd", jax.nn.softmax(scores, axis=-1), v)
+        return jax.vmap(self.output_proj)(mixed.reshape(seq, dim))
+
+
+class GPTMLP(eqx.Module):
+    """`down(gelu(up(x)))`, from `dim` to `hidden` and back, on one position."""
+
+    up: eqx.nn.Linear
+    down: eqx.nn.Linear
+
+    def __init__(self, config: GPTConfig, *, key: PRNGKeyArray):
+        ku, kd = jax.random.split(key)
+        self.up = eqx.nn.Linear(config.dim, config.hidden, use_bias=config.bias, key=ku)
+        self.down = eqx.nn.Linear(config.hidden, config.dim, use_bias=config.bias, key=kd)
+
+    def __call__(self, x: Float[Array, " dim"]) -> Float[Array, " dim"]:
+        return self.down(jax.nn.gelu(self.up(x)))
+
+
+class GPTBlock(eqx.Module):
+    """A GPT-2-style decoder block: pre-LayerNorm causal attention and a gelu MLP, each added
+    to its input (the residual). Every leaf is an array; the norms' paths contain "norm" (for
+    the tests' dtype rules), the projections' do not.
+
+    The forward pass computes in the activations' dtype: the weights are cast to it first, so
+    bfloat16 weights with float32 activations compute in float32 (the suite's strict dtype
+    promotion would reject the mixed product). The norms normalise in at least float32.
+    """
+
+    attention_norm: eqx.nn.LayerNorm
+    attention: GPTAttention
+    mlp_norm: eqx.nn.LayerNorm
+    mlp: GPTMLP
+
+    def __init__(self, config: GPTConfig, *, key: PRNGKeyArray):
+        ka, km = jax.random.split(key)
+        self.attention_norm = eqx.nn.LayerNorm(config.dim)
+        self.attention = GPTAttention(config, key=ka)
+        self.mlp_norm = eqx.nn.LayerNorm(config.dim)
+        self.mlp = GPTMLP(config, key=km)
+
+    def __call__(self, x: Float[Array, "batch seq dim"]) -> Float[Array, "batch seq dim"]:
+        in_dtype = jax.tree.map(lambda a: a.astype(x.dtype) if eqx.is_inexact_array(a) else a, self)
+        return jax.vmap(in_dtype._sequence)(x)
+
+    def _sequence(self, x: Float[Array, "seq dim"]) -> Float[Array, "seq dim"]:
+        # Equinox's layers take one position: `vmap` maps them over the sequence.
+        x = x + self.attention(jax.vmap(self.attention_norm)(x))
+        return x + jax.vmap(self.mlp)(jax.vmap(self.mlp_norm)(x))
