@@ -8,12 +8,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from harness import assert_bitwise_equal
+from harness import GPTBlock, GPTConfig, assert_bitwise_equal
 from jaxtyping import Array, PRNGKeyArray
 
 import eqx_lean
 from eqx_lean.internal import (
-    Block,
+    Block,  # the benchmark's own block: its worker's figures are measured below
     BlockConfig,
     build_calls,
     compile_writes,
@@ -30,11 +30,11 @@ def make_mlp(key):
     return eqx.nn.MLP(8, 5, 16, 2, key=key)
 
 
-SMALL_BLOCK = BlockConfig(num_layers=3, dim=32, hidden=48, heads=4, kv_heads=2)
+SMALL_BLOCK = GPTConfig(num_layers=3, dim=32, hidden=128, heads=4)
 
 
 def make_block(key):
-    return Block(SMALL_BLOCK, key=key)
+    return GPTBlock(SMALL_BLOCK, key=key)
 
 
 def make_attention(key):
@@ -144,9 +144,9 @@ def test_per_leaf_dtype_rule_keeps_norms_in_float32():
 
     keys = jax.random.split(jax.random.key(0), 4)
     actual = eqx_lean.build_stacked(make_block, keys, keep_norms)
-    assert actual.input_norm.weight is not None
-    assert actual.input_norm.weight.dtype == jnp.float32
-    assert actual.mlp.down_proj.weight.dtype == jnp.bfloat16
+    assert actual.attention_norm.weight is not None
+    assert actual.attention_norm.weight.dtype == jnp.float32
+    assert actual.mlp.down.weight.dtype == jnp.bfloat16
     # The rule sees one layer's leaves, without the layer axis.
     assert all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in seen)
     assert (SMALL_BLOCK.dim, SMALL_BLOCK.hidden) in [leaf.shape for leaf in seen]
@@ -203,14 +203,14 @@ def test_arithmetic_after_draws_matches_compiled_filter_vmap():
 # --- compilation ------------------------------------------------------------------------------
 
 
-COUNTED_BLOCK = BlockConfig(num_layers=1, dim=24, hidden=40, heads=4, kv_heads=2)
+COUNTED_BLOCK = GPTConfig(num_layers=1, dim=24, hidden=96, heads=4)
 
 
 def _fresh_make_layer(traces):
     # A configuration no other test builds, so no cache is warm for either count.
     def make(key):
         traces.append(None)
-        return Block(COUNTED_BLOCK, key=key)
+        return GPTBlock(COUNTED_BLOCK, key=key)
 
     return make
 
@@ -285,7 +285,7 @@ def test_under_filter_eval_shape_allocates_nothing(compiles):
     abstract = eqx.filter_eval_shape(eqx_lean.build_stacked, make_block, keys, jnp.bfloat16)
     assert live_array_ids() <= before_ids
     assert compiles.count == before_compiles
-    weight = abstract.mlp.down_proj.weight
+    weight = abstract.mlp.down.weight
     assert isinstance(weight, jax.ShapeDtypeStruct)
     assert weight.shape == (32, SMALL_BLOCK.dim, SMALL_BLOCK.hidden)
     assert weight.dtype == jnp.bfloat16

@@ -12,12 +12,10 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import pytest
-from harness import assert_bitwise_equal
+from harness import GPTBlock, GPTConfig, assert_bitwise_equal
 
 import eqx_lean
 from eqx_lean.internal import (
-    Block,
-    BlockConfig,
     can_override_lowering,
     compat,
     has_custom_transpose,
@@ -28,12 +26,12 @@ from eqx_lean.internal import (
 
 
 WORKER = Path(__file__).with_name("workers") / "private_jax_env.py"
-TINY = BlockConfig(num_layers=3, dim=16, hidden=24, heads=2, kv_heads=1)
+TINY = GPTConfig(num_layers=3, dim=16, hidden=64, heads=2)
 KEYS = jax.random.split(jax.random.key(3), 3)
 
 
 def make_block(key):
-    return Block(TINY, key=key)
+    return GPTBlock(TINY, key=key)
 
 
 def scaled_draw(scale):

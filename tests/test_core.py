@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from harness import assert_bitwise_equal, bits, keys_of, mesh_of
+from harness import GPTBlock, GPTConfig, assert_bitwise_equal, bits, keys_of, mesh_of
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 from jaxtyping import Array
 
@@ -25,8 +25,6 @@ import eqx_lean
 from eqx_lean.internal import (
     EMBED_MAX_BYTES,
     WRITES,
-    Block,
-    BlockConfig,
     CompiledCache,
     jaxpr_key,
     plan_build,
@@ -35,7 +33,7 @@ from eqx_lean.internal import (
 )
 
 
-TINY = BlockConfig(num_layers=3, dim=16, hidden=24, heads=2, kv_heads=1)
+TINY = GPTConfig(num_layers=3, dim=16, hidden=64, heads=2)
 
 
 # --- stale state: every way Python state reaches the program --------------------------------
@@ -146,9 +144,9 @@ def test_a_large_captured_array_is_an_argument_and_updated_in_place_gives_new_va
 
 def test_a_fresh_function_of_the_same_content_compiles_nothing(compiles):
     keys = keys_of(TINY.num_layers)
-    first = eqx_lean.build_stacked(lambda k: Block(TINY, key=k), keys, jnp.bfloat16)
+    first = eqx_lean.build_stacked(lambda k: GPTBlock(TINY, key=k), keys, jnp.bfloat16)
     before = compiles.count
-    second = eqx_lean.build_stacked(lambda k: Block(TINY, key=k), keys, jnp.bfloat16)
+    second = eqx_lean.build_stacked(lambda k: GPTBlock(TINY, key=k), keys, jnp.bfloat16)
     assert compiles.count == before
     assert_bitwise_equal(first, second)
 
@@ -184,9 +182,9 @@ def test_derivative_rules_are_left_out_of_the_key_and_the_forward_program_is_not
 
 def test_a_different_dtype_compiles_again(compiles):
     keys = keys_of(TINY.num_layers)
-    eqx_lean.build_stacked(lambda k: Block(TINY, key=k), keys, jnp.bfloat16)
+    eqx_lean.build_stacked(lambda k: GPTBlock(TINY, key=k), keys, jnp.bfloat16)
     before = compiles.count
-    eqx_lean.build_stacked(lambda k: Block(TINY, key=k), keys, jnp.float16)
+    eqx_lean.build_stacked(lambda k: GPTBlock(TINY, key=k), keys, jnp.float16)
     assert compiles.count > before
 
 
@@ -303,12 +301,12 @@ def test_no_cache_keeps_the_function_alive():
 
 def test_clear_caches_forgets_the_writes(compiles):
     keys = keys_of(TINY.num_layers)
-    eqx_lean.build_stacked(lambda k: Block(TINY, key=k), keys)
+    eqx_lean.build_stacked(lambda k: GPTBlock(TINY, key=k), keys)
     assert len(WRITES) > 0
     eqx_lean.clear_caches()
     assert len(WRITES) == 0
     before = compiles.count
-    eqx_lean.build_stacked(lambda k: Block(TINY, key=k), keys)
+    eqx_lean.build_stacked(lambda k: GPTBlock(TINY, key=k), keys)
     assert compiles.count > before
 
 
@@ -329,7 +327,7 @@ def test_concurrent_builds_agree():
 
     def build(i):
         try:
-            results[i] = eqx_lean.build_stacked(lambda k: Block(TINY, key=k), keys, jnp.bfloat16)
+            results[i] = eqx_lean.build_stacked(lambda k: GPTBlock(TINY, key=k), keys, jnp.bfloat16)
         except Exception as e:  # pragma: no cover - reported below
             errors.append(e)
 

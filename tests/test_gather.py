@@ -20,17 +20,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from harness import keys_of, mesh_of
+from harness import GPTBlock, GPTConfig, keys_of, mesh_of
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, PRNGKeyArray
 
 import eqx_lean
-from eqx_lean.internal import Block, BlockConfig
 
 
 NUM_LAYERS = 4
 DIM = 16
-BLOCK = BlockConfig(num_layers=NUM_LAYERS, dim=32, hidden=64, heads=4, kv_heads=2)
+BLOCK = GPTConfig(num_layers=NUM_LAYERS, dim=32, hidden=128, heads=4)
 
 
 # --- layers under test ------------------------------------------------------------------------
@@ -57,8 +56,8 @@ def make_attention(key: PRNGKeyArray) -> Attention:
     return Attention(key=key)
 
 
-def make_block(key: PRNGKeyArray) -> Block:
-    return Block(BLOCK, key=key)
+def make_block(key: PRNGKeyArray) -> GPTBlock:
+    return GPTBlock(BLOCK, key=key)
 
 
 def norms_in_float32(path: Any, leaf: jax.ShapeDtypeStruct) -> Any:
@@ -308,7 +307,7 @@ def test_fsdp_attention_scan_with_kv_cache(layout: tuple[int, str]):
 
 @pytest.fixture(scope="module")
 def block(layout: tuple[int, str]) -> Reference:
-    """A Mistral-shaped block, bfloat16 weights and float32 norms, on a batch of one row per
+    """A GPT-2-style block, bfloat16 weights and float32 norms, on a batch of one row per
     device (not yet placed on the one-axis mesh)."""
     devices, kind = layout
     keys = keys_of(NUM_LAYERS)
