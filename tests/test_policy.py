@@ -8,6 +8,7 @@ results that the test reads.
 """
 
 import contextlib
+import dataclasses
 import functools
 import json
 import os
@@ -26,46 +27,59 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from harness import bits, keys_of, mesh_of
+from harness import GPTBlock, GPTConfig, bits, keys_of, mesh_of
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 import eqx_lean
-
-# `make_wide` is `make_small` with a 16 MiB float32 matrix: big enough for temp bounds to bite.
 from eqx_lean.internal import (
-    Block,
-    BlockConfig,
     compile_writes,
     constrain,
     memory_analysis,
     plan_build,
-    wide_layer as make_wide,
     write_temp_bytes,
 )
 
 
 # --- layers under test ------------------------------------------------------------------------
 
-SMALL_BLOCK = BlockConfig(num_layers=3, dim=32, hidden=48, heads=4, kv_heads=2)
-MEDIUM_BLOCK = BlockConfig(num_layers=4, dim=1024, hidden=3584, heads=8, kv_heads=2)
+SMALL_BLOCK = GPTConfig(num_layers=3, dim=32, hidden=128, heads=4)
+# GPT-2 medium's layer (dim 1024, hidden 4096, 16 heads): 24 MiB in bfloat16, its largest leaves
+# 16 MiB each in float32, for the temp bounds of its sharded writes to bite.
+MEDIUM_BLOCK = GPTConfig(num_layers=4, dim=1024, hidden=4096, heads=16)
 
 
 def make_block(key):
-    return Block(SMALL_BLOCK, key=key)
+    return GPTBlock(SMALL_BLOCK, key=key)
+
+
+def make_unbiased_block(key):
+    """The small block without the linear layers' biases: `None` fields, no leaves."""
+    return GPTBlock(dataclasses.replace(SMALL_BLOCK, bias=False), key=key)
 
 
 def make_medium_block(key):
-    return Block(MEDIUM_BLOCK, key=key)
+    return GPTBlock(MEDIUM_BLOCK, key=key)
+
+
+def _dict_layer(key, rows: int, columns: int) -> dict[str, jax.Array]:
+    """A dict layer with a `rows x columns` matrix, a `columns` vector and a scalar."""
+    kw, kb, ks = jax.random.split(key, 3)
+    return {
+        "w": jax.random.normal(kw, (rows, columns)),
+        "b": jax.random.normal(kb, (columns,)),
+        "s": jax.random.uniform(ks, ()),
+    }
 
 
 def make_small(key):
-    """A dict layer with a matrix, a vector and a scalar."""
-    kw, kb, ks = jax.random.split(key, 3)
-    return {
-        "w": jax.random.normal(kw, (16, 8)),
-        "b": jax.random.normal(kb, (8,)),
-        "s": jax.random.uniform(ks, ()),
-    }
+    return _dict_layer(key, 16, 8)
+
+
+def make_wide(key):
+    """`make_small` with a 16 MiB float32 matrix (4096 x 1024), big enough for temp bounds to
+    bite: with JAX's own Threefry lowering on CPU, its draw needs 4x the matrix (or its shard)
+    in temporaries, the case that sharded construction's bar was last met on."""
+    return _dict_layer(key, 4096, 1024)
 
 
 def make_linear(key):
@@ -78,22 +92,29 @@ def make_uneven(key):
 
 # What `fsdp(mesh, "data")` must choose for each leaf when the axis has more than one device
 # (its largest dimension that the axis divides, the first on ties; replicated when none does),
-# written out by hand for the layers above. With one device every leaf is replicated.
+# written out by hand for the layers above. With one device every leaf is replicated. The
+# block's leaves: `dim` vectors (norms, biases), `dim x dim` projections (a tie: the first
+# dimension), `up` (`hidden x dim`, its bias `hidden`) and `down` (`dim x hidden`); `dim` and
+# `hidden` are multiples of 8 (so 2, 4 and 8 devices choose alike), `hidden` the larger.
 BLOCK_FSDP = {
-    ".input_norm.weight": ("data",),
-    ".input_norm.bias": ("data",),
-    ".attention.q_proj.weight": ("data", None),
-    ".attention.k_proj.weight": (None, "data"),
-    ".attention.v_proj.weight": (None, "data"),
-    ".attention.o_proj.weight": ("data", None),
-    ".post_attention_norm.weight": ("data",),
-    ".post_attention_norm.bias": ("data",),
-    ".mlp.gate_proj.weight": ("data", None),
-    ".mlp.up_proj.weight": ("data", None),
-    ".mlp.down_proj.weight": (None, "data"),
+    ".attention_norm.weight": ("data",),
+    ".attention_norm.bias": ("data",),
+    ".attention.query_proj.weight": ("data", None),
+    ".attention.query_proj.bias": ("data",),
+    ".attention.key_proj.weight": ("data", None),  # no bias: `GPTAttention` says why
+    ".attention.value_proj.weight": ("data", None),
+    ".attention.value_proj.bias": ("data",),
+    ".attention.output_proj.weight": ("data", None),
+    ".attention.output_proj.bias": ("data",),
+    ".mlp_norm.weight": ("data",),
+    ".mlp_norm.bias": ("data",),
+    ".mlp.up.weight": ("data", None),
+    ".mlp.up.bias": ("data",),
+    ".mlp.down.weight": (None, "data"),
+    ".mlp.down.bias": ("data",),
 }
 SMALL_FSDP = {"['w']": ("data", None), "['b']": ("data",), "['s']": ()}
-MEDIUM_BLOCK_FSDP = BLOCK_FSDP  # every dimension of it is a multiple of 8 as well
+MEDIUM_BLOCK_FSDP = BLOCK_FSDP  # 1024 and 4096 are multiples of 8, and hidden is the larger
 
 ExpectedSpecs = Callable[[str], tuple[Any, ...]]
 
@@ -218,7 +239,7 @@ def _value_case(layer: str, dtype: str, devices: int, *, slow: bool = False) -> 
     return pytest.param(layer, dtype, devices, id=f"{layer}/{dtype}/{devices}", marks=marks)
 
 
-# A block's build compiles six writes: blocks other than bfloat16 on 8 devices are slow.
+# A block's build compiles four writes: blocks other than bfloat16 on 8 devices are slow.
 VALUE_CASES = [_value_case("small", d, n) for n in (1, 2, 4, 8) for d in DTYPES] + [
     _value_case("block", d, n, slow=(d, n) != ("bfloat16", 8)) for n in (1, 2, 4, 8) for d in DTYPES
 ]
@@ -294,15 +315,16 @@ def _built_in_form(form: str, mesh: Mesh, references: dict[str, Any]) -> tuple[A
         one = NamedSharding(mesh, P("model"))
         built = eqx_lean.build_stacked(make_block, keys, jnp.float32, one)
         return built, reference("block", jnp.float32), _model_first
-    # A prefix over the block: one spec for all of `mlp`, a NamedSharding for the query
-    # projection, `None` (replicated over the mesh) for the rest, including the biases that are
-    # `None` in the layer. Allocated, not built: the values of a block build are checked above.
+    # A prefix over the block: one spec for all of `mlp` (its weights and biases: dimension 0
+    # of each divides by 4), a NamedSharding for the query projection's weight, `None`
+    # (replicated over the mesh) for the rest. Allocated, not built: the values of a block
+    # build are checked above.
     assert form == "prefix-tree-at-block", form
     abstract = eqx.filter_eval_shape(make_block, keys[0])
     prefix = jax.tree.map(lambda leaf: None, abstract)
-    prefix = eqx.tree_at(lambda block: block.mlp, prefix, P(None, "model"))
+    prefix = eqx.tree_at(lambda block: block.mlp, prefix, P("model"))
     prefix = eqx.tree_at(
-        lambda block: block.attention.q_proj.weight,
+        lambda block: block.attention.query_proj.weight,
         prefix,
         NamedSharding(mesh, P("data", "model")),
         is_leaf=lambda x: x is None,
@@ -310,8 +332,8 @@ def _built_in_form(form: str, mesh: Mesh, references: dict[str, Any]) -> tuple[A
 
     def prefix_specs(path: str) -> tuple[Any, ...]:
         if path.startswith(".mlp."):
-            return (None, "model")
-        return ("data", "model") if path == ".attention.q_proj.weight" else ()
+            return ("model",)
+        return ("data", "model") if path == ".attention.query_proj.weight" else ()
 
     allocated = eqx_lean.allocate_stacked(abstract, 3, jnp.float32, prefix, mesh=mesh)
     block = reference("block", jnp.float32)
@@ -330,7 +352,7 @@ FORMS = [
     ("prefix-tree-at", "explicit"),
     ("rule", "auto"),
     ("rule", "explicit"),
-    # The block, one mesh kind each: its build compiles six writes.
+    # The block, one mesh kind each: its build compiles four writes.
     ("one-sharding-block", "explicit"),
     ("prefix-tree-at-block", "auto"),
 ]
@@ -378,7 +400,7 @@ def assert_lean_writes(analysis: dict[str, Any]) -> None:
 # dtype, the mesh's axis type and the per-layer specs `fsdp` must choose. "wide" is a layer
 # made of one 16 MiB float32 leaf: with Threefry's default CPU lowering (a rolled loop) its draw
 # alone needs 4 x the leaf's shard, so it is the case that fails without the unrolled lowering
-# of `eqx_lean._threefry`. "medium-block" is Mistral-proportioned.
+# of `eqx_lean._threefry`. "medium-block" is GPT-2 medium's layer.
 FSDP_WRITES = {
     "block-fsdp/bfloat16": (make_block, 3, jnp.bfloat16, AxisType.Auto, BLOCK_FSDP),
     "block-fsdp/float32": (make_block, 3, jnp.float32, AxisType.Auto, BLOCK_FSDP),
@@ -597,7 +619,7 @@ def test_error_prefix_that_does_not_match(one_device_mesh):
 
 def test_prefix_over_a_layer_with_none_fields(one_device_mesh):
     """`bias=None` in `eqx.nn.Linear` is no leaf: a prefix mapped over the layer has it too."""
-    abstract = eqx.filter_eval_shape(make_block, jax.random.key(0))
+    abstract = eqx.filter_eval_shape(make_unbiased_block, jax.random.key(0))
     prefix = jax.tree.map(lambda leaf: P(), abstract)
     prefix = eqx.tree_at(lambda block: block.mlp, prefix, P(None, "data"))
     allocated = eqx_lean.allocate_stacked(abstract, 2, None, prefix, mesh=one_device_mesh)
