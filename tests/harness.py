@@ -25,6 +25,8 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 from jaxtyping import Array, Float, PRNGKeyArray
 
+from eqx_lean.internal import cast_floating
+
 
 def keys_of(n: int, seed: int = 0) -> jax.Array:
     """`n` typed keys split from `jax.random.key(seed)`, ready (not a pending computation)."""
@@ -171,8 +173,7 @@ class GPTBlock(eqx.Module):
         self.mlp = GPTMLP(config, key=km)
 
     def __call__(self, x: Float[Array, "batch seq dim"]) -> Float[Array, "batch seq dim"]:
-        in_dtype = jax.tree.map(lambda a: a.astype(x.dtype) if eqx.is_inexact_array(a) else a, self)
-        return jax.vmap(in_dtype._sequence)(x)
+        return jax.vmap(cast_floating(self, x.dtype)._sequence)(x)
 
     def _sequence(self, x: Float[Array, "seq dim"]) -> Float[Array, "seq dim"]:
         # Equinox's layers take one position: `vmap` maps them over the sequence.

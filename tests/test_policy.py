@@ -32,6 +32,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 import eqx_lean
 from eqx_lean.internal import (
+    cast_floating,
     compile_writes,
     constrain,
     memory_analysis,
@@ -124,13 +125,6 @@ def fsdp_specs(table: dict[str, tuple[Any, ...]], devices: int) -> ExpectedSpecs
 
 
 # --- comparing a sharded stack with the unsharded reference -----------------------------------
-
-
-def _cast_reference(tree: Any, dtype: Any) -> Any:
-    def cast(x):
-        return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
-
-    return jax.tree.map(cast, tree)
 
 
 def _shard_shape(shape: tuple[int, ...], spec: tuple[Any, ...], mesh: Any) -> tuple[int, ...]:
@@ -251,7 +245,7 @@ def test_sharded_values_equal_the_unsharded_build(references, layer, dtype, devi
     make_layer, table = VALUE_LAYERS[layer]
     mesh = mesh_of((devices,), ("data",), AxisType.Auto)
     built = eqx_lean.build_stacked(make_layer, keys_of(3), DTYPES[dtype], eqx_lean.fsdp(mesh))
-    reference = _cast_reference(references[layer], DTYPES[dtype])
+    reference = cast_floating(references[layer], DTYPES[dtype])
     assert _problems(built, reference, fsdp_specs(table, devices), mesh) == []
 
 
@@ -287,7 +281,7 @@ def _built_in_form(form: str, mesh: Mesh, references: dict[str, Any]) -> tuple[A
     keys = keys_of(3)
 
     def reference(name: str, dtype: Any = jnp.bfloat16) -> Any:
-        return _cast_reference(references[name], dtype)
+        return cast_floating(references[name], dtype)
 
     if form == "one-sharding":  # one Sharding for every leaf: each leaf's dimension 0 divides by 4
         one = NamedSharding(mesh, P("model"))
@@ -372,7 +366,7 @@ def test_a_fully_replicated_sharding_that_is_not_named(references):
     built = eqx_lean.build_stacked(
         make_small, keys_of(3), jnp.bfloat16, jax.sharding.SingleDeviceSharding(device)
     )
-    reference = _cast_reference(references["small"], jnp.bfloat16)
+    reference = cast_floating(references["small"], jnp.bfloat16)
     assert _problems(built, reference, None, None) == []
     assert sorted({d.id for x in jax.tree.leaves(built) for d in x.devices()}) == [3]
 
@@ -382,7 +376,7 @@ def test_allocate_stacked_shards_its_buffers(references, kind):
     mesh = mesh_of((2, 4), ("data", "model"), KINDS[kind])
     abstract = eqx.filter_eval_shape(make_small, jax.random.key(0))
     allocated = eqx_lean.allocate_stacked(abstract, 3, jnp.bfloat16, _rule(mesh), mesh=mesh)
-    reference = _cast_reference(references["small"], jnp.bfloat16)
+    reference = cast_floating(references["small"], jnp.bfloat16)
     zeros = jax.tree.map(lambda x: jnp.zeros_like(x, device=jax.devices()[0]), reference)
     assert _problems(allocated, zeros, RULE_SPECS.__getitem__, mesh) == []
 
@@ -484,7 +478,7 @@ def test_under_filter_jit(references, case):
     mesh = mesh_of((8,), ("data",), KINDS[kind])
     with jax.set_mesh(mesh) if ambient == "set-mesh" else contextlib.nullcontext():
         built = eqx.filter_jit(_build_small(mesh))(keys_of(3))
-    reference = _cast_reference(references["small"], jnp.bfloat16)
+    reference = cast_floating(references["small"], jnp.bfloat16)
     assert _problems(built, reference, fsdp_specs(SMALL_FSDP, 8), mesh) == []
 
 
@@ -734,7 +728,7 @@ def _multiprocess_check(port: int, process_id: int, layer: str) -> dict[str, Any
     built = eqx_lean.build_stacked(make_layer, keys, jnp.bfloat16, eqx_lean.fsdp(mesh))
     # Computed here, on this process's first device only: no collective, no other process.
     with jax.default_device(jax.local_devices()[0]):
-        reference = _cast_reference(eqx.filter_vmap(make_layer)(keys), jnp.bfloat16)
+        reference = cast_floating(eqx.filter_vmap(make_layer)(keys), jnp.bfloat16)
     local = set(jax.local_devices())
     leaves = {}
     for (path, x), ref in zip(
