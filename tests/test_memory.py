@@ -448,10 +448,9 @@ def test_estimates_match_fresh_process_measurements(config: BlockConfig, dtype: 
     Every figure is checked: one that memory pressure disturbed in its three runs beside the
     other workers is measured again alone (three runs more), and one disturbed in all six fails
     the test, as a figure that could not be checked."""
-    jobs = [(m, config, dtype) for m in METHODS]
     # Several processes at a time, while this one estimates: memory is per process, and time is
     # not measured here. Each stays under 2 GiB.
-    workers = max(2, min(4, os.cpu_count() or 1))
+    workers = max(2, min(len(METHODS), os.cpu_count() or 1))
     needed, total = (workers + 1) * WORKER_BYTES, _total_memory_bytes()
     if total < needed:
         pytest.skip(
@@ -459,16 +458,15 @@ def test_estimates_match_fresh_process_measurements(config: BlockConfig, dtype: 
             f"needs {needed / 2**30:.0f} GiB for {workers} workers and itself"
         )
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        futures = {job: pool.submit(_measure_in_fresh_process, *job) for job in jobs}
+        futures = {m: pool.submit(_measure_in_fresh_process, m, config, dtype) for m in METHODS}
         keys = jax.random.split(jax.random.key(0), config.num_layers)
         e = eqx_lean.memory.estimate(lambda k: Block(config, key=k), keys, jnp.dtype(dtype))
-        measured = {job: future.result() for job, future in futures.items()}
-    for job, figures in measured.items():
-        if figures["file_rss_drop_bytes"] > DISTURBED_FILE_RSS_DROP:
-            measured[job] = _measure_in_fresh_process(*job)  # alone: no other worker beside it
+        figures = {m: future.result() for m, future in futures.items()}
+    for m in METHODS:
+        if figures[m]["file_rss_drop_bytes"] > DISTURBED_FILE_RSS_DROP:
+            figures[m] = _measure_in_fresh_process(m, config, dtype)  # alone: no other worker
 
     failures, disturbed = [], []
-    figures = {m: measured[(m, config, dtype)] for m in METHODS}
     assert figures["build_stacked"]["final_bytes"] == e.final_bytes
     checks = [
         ("build_stacked", "overhead", e.build_stacked_overhead, e.final_bytes, 0.25),
