@@ -255,10 +255,27 @@ def _run_alone(block: CodeBlock, cwd: pathlib.Path, env: dict[str, str]) -> None
         pytest.fail(f"{_where(block)} failed:\n{(done.stdout + done.stderr)[-6000:]}")
 
 
-def run_page(page: str, workdir: pathlib.Path, devices: int) -> list[str]:
-    """Runs every Python and shell block of `page` in order; returns the skipped ones' reasons."""
+def compilation_cache_env(directory: pathlib.Path) -> dict[str, str]:
+    """The environment that gives a process JAX's persistent compilation cache in `directory`,
+    every program cached however quick its compilation (JAX's defaults skip most)."""
+    return {
+        "JAX_COMPILATION_CACHE_DIR": str(directory),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+    }
+
+
+def run_page(
+    page: str, workdir: pathlib.Path, devices: int, cache: dict[str, str] | None = None
+) -> list[str]:
+    """Runs every Python and shell block of `page` in order; returns the skipped ones' reasons.
+
+    `cache` (from `compilation_cache_env`) is added to the environment of every block but
+    those marked `own process`, which stay as a first run is: their memory figures would
+    otherwise miss what compiling costs."""
     (workdir / "examples").symlink_to(ROOT / "examples")
     env = _page_env(devices)
+    cached_env = {**env, **(cache or {})}
     skipped, session = [], None
     try:
         for block in code_blocks(page):
@@ -266,10 +283,12 @@ def run_page(page: str, workdir: pathlib.Path, devices: int) -> list[str]:
                 continue
             if block.not_run:
                 skipped.append(f"{_where(block)}: {block.not_run}")
-            elif block.language == "bash" or block.own_process:
+            elif block.own_process:
                 _run_alone(block, workdir, env)
+            elif block.language == "bash":
+                _run_alone(block, workdir, cached_env)
             else:
-                session = session or _Session(workdir, env, workdir.parent / "session.log")
+                session = session or _Session(workdir, cached_env, workdir.parent / "session.log")
                 session.run(block)
     finally:
         if session is not None:
@@ -290,11 +309,22 @@ PAGE_RUNS = [
 ]
 
 
+@pytest.fixture(scope="module")
+def pages_compilation_cache(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """One persistent compilation cache for the page runs of this test process. The pages'
+    fresh interpreters compile the same tiny models again and again; sharing JAX's cache (keyed
+    on the program, its compile options, the devices and the versions) took a fifth off their
+    time. It is new for each test session, and a pytest-xdist worker's own."""
+    return compilation_cache_env(tmp_path_factory.mktemp("xla-cache"))
+
+
 @pytest.mark.parametrize("page, devices", PAGE_RUNS)
-def test_first_hour_page_runs_as_written(page: str, devices: int, tmp_path: pathlib.Path):
+def test_first_hour_page_runs_as_written(
+    page: str, devices: int, tmp_path: pathlib.Path, pages_compilation_cache: dict[str, str]
+):
     workdir = tmp_path / "work"
     workdir.mkdir()
-    skipped = run_page(page, workdir, devices)
+    skipped = run_page(page, workdir, devices, pages_compilation_cache)
     print("\n".join(["not run:", *skipped]))
 
 
