@@ -15,6 +15,8 @@ change with what the benchmark measures. Tests of the benchmark itself use the b
 
 import dataclasses
 import math
+import os
+import pathlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,6 +28,30 @@ from jax.sharding import AxisType, Mesh
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from eqx_lean.internal import cast_floating
+
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+def subprocess_env(devices: int | None = None, **overrides: str) -> dict[str, str]:
+    """The environment of a Python process a test starts: this process's, with this checkout
+    first on `PYTHONPATH` (the child imports the `eqx_lean` under test, whatever is installed),
+    JAX on the CPU (the suite's tolerances are XLA:CPU's) and, given `devices`, that many
+    forced CPU devices in place of any count `XLA_FLAGS` already asks for; then `overrides`.
+
+    A child has one CPU device unless it asks: the suite's own eight come from a JAX option
+    that `conftest.py` sets in this process only."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
+    env["JAX_PLATFORMS"] = "cpu"
+    if devices is not None:
+        flags = [
+            f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(_DEVICE_COUNT_FLAG)
+        ]
+        env["XLA_FLAGS"] = " ".join([*flags, f"{_DEVICE_COUNT_FLAG}={devices}"])
+    env.update(overrides)
+    return env
 
 
 def keys_of(n: int, seed: int = 0) -> jax.Array:

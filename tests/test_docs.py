@@ -15,6 +15,7 @@ import sys
 import tomllib
 
 import pytest
+from harness import subprocess_env
 
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -185,9 +186,7 @@ def code_blocks(page: str) -> list[CodeBlock]:
 
 
 def _page_env(devices: int) -> dict[str, str]:
-    env = _mkdocs_env()
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
-    env["JAX_PLATFORMS"] = "cpu"
+    env = subprocess_env(devices)
     # A page's `python` is the interpreter running the tests, as in the README's activated
     # environment, also when pytest is started by that interpreter's full path.
     env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])

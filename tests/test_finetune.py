@@ -6,7 +6,6 @@ float32 rounding), and a resumed run must equal an uninterrupted one bit for bit
 
 import dataclasses
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -17,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from harness import assert_bitwise_equal
+from harness import assert_bitwise_equal, subprocess_env
 
 from eqx_lean.hf import (
     FinetuneSettings,
@@ -161,11 +160,10 @@ def test_resume_refuses_other_settings(tmp_path: pathlib.Path):
 
 
 def _cli(*args: str, cwd: pathlib.Path) -> str:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
     done = subprocess.run(
         [sys.executable, "-m", "examples.mistral7b", *args],
         cwd=cwd,
-        env=env,
+        env=subprocess_env(),
         capture_output=True,
         text=True,
         timeout=300,

@@ -1,7 +1,6 @@
 import functools
 import inspect
 import json
-import os
 import signal
 import struct
 import subprocess
@@ -16,7 +15,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import safetensors.numpy
-from harness import arrays, assert_bitwise_equal, bits, keys_of, mesh_of
+from harness import arrays, assert_bitwise_equal, bits, keys_of, mesh_of, subprocess_env
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from safetensors import safe_open
 
@@ -400,12 +399,11 @@ def test_save_killed_midway_leaves_previous_checkpoint_loadable(tmp_path):
     old = {"w": jnp.arange(6 * 16, dtype=jnp.float32).reshape(6, 4, 4)}
     names = {"w": "layers.{i}.w"}
     eqx_lean.save_stacked(tmp_path / "ckpt", old, names, max_shard_bytes=64)
-    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
     child = subprocess.Popen(
         [sys.executable, str(REPO / "tests" / "workers" / "slow_save.py"), str(tmp_path / "ckpt")],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-        env=env,
+        env=subprocess_env(),
     )
     try:
         assert child.stdout is not None

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from harness import subprocess_env
 from test_io_save import (
     assert_tensors_equal,
     leftovers,
@@ -34,7 +35,7 @@ from eqx_lean.internal import directory, fs
 
 REPO = Path(__file__).resolve().parent.parent
 CHILDREN = REPO / "tests" / "save_children.py"
-ENV = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
+ENV = subprocess_env()
 
 
 def child(*arguments: str, **kwargs) -> subprocess.Popen:

@@ -4,7 +4,6 @@ chunk writes elsewhere, both run here).
 
 (The older load tests, round trips and header checks, are in `tests/test_io.py`.)"""
 
-import os
 import subprocess
 import sys
 import threading
@@ -18,7 +17,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import safetensors.numpy
-from harness import bits, keys_of, mesh_of
+from harness import bits, keys_of, mesh_of, subprocess_env
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eqx_lean
@@ -454,7 +453,7 @@ def _load_overhead(path: Path, mode: str, shape: tuple[int, ...]) -> tuple[float
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
-        env=dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu"),
+        env=subprocess_env(),
     )
     assert child.stdin and child.stdout
     assert child.stdout.readline().strip() == "idle"

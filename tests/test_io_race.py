@@ -1,12 +1,12 @@
 """Loads racing saves in another process return one whole checkpoint, never a mix of two."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from harness import subprocess_env
 
 
 REPO = Path(__file__).resolve().parents[1]
@@ -15,7 +15,7 @@ WORKER = Path(__file__).with_name("io_race.py")
 
 def _race(tmp_path: Path, files: str, seconds: float) -> dict:
     path = str(tmp_path / "checkpoint")
-    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
+    env = subprocess_env()
     saver = subprocess.Popen(
         [sys.executable, str(WORKER), "save", path, files, str(seconds + 30)],
         stdout=subprocess.PIPE,

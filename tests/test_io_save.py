@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import safetensors.numpy
-from harness import bits, mesh_of
+from harness import bits, mesh_of, subprocess_env
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eqx_lean
@@ -439,7 +439,7 @@ def test_read_only_directory_is_refused_for_an_unprivileged_user(tmp_path):
                 except PermissionError as e:
                     print("refused:", e)
         """
-        env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu", HOME=str(root))
+        env = subprocess_env(HOME=str(root))
         result = subprocess.run(
             [sys.executable, "-c", textwrap.dedent(code)],
             cwd=root,
@@ -729,7 +729,7 @@ def run_faults(tmp_path: Path, kind: str, world: World, model, save_kwargs: dict
         **{"steps": [], "delays": [], "no_exchange": False, **spec},
     )
     (tmp_path / "spec.json").write_text(json.dumps(spec))
-    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
+    env = subprocess_env()
     result = subprocess.run(
         [sys.executable, str(FAULTS), str(tmp_path / "spec.json")],
         capture_output=True,

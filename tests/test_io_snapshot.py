@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from harness import subprocess_env
 
 import eqx_lean
 from eqx_lean.internal import OPEN_RETRIES, snapshot
@@ -158,7 +159,7 @@ try:
 except OSError as e:
     print("ERROR", e)
 """
-    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
+    env = subprocess_env()
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
     )

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from harness import subprocess_env
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import eqx_lean
@@ -30,15 +31,6 @@ from eqx_lean.internal import (
 REPO = pathlib.Path(__file__).resolve().parents[1]
 WORKERS = REPO / "tests" / "workers"
 MiB = 2**20
-
-
-def _env(devices: int | None = None) -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    if devices is not None:
-        flag = f"--xla_force_host_platform_device_count={devices}"
-        env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + " " + flag
-    return env
 
 
 def _nbytes(tree) -> int:
@@ -156,7 +148,7 @@ def test_estimate_allocates_nothing():
     (`tests/workers/estimate_allocation.py`)."""
     done = subprocess.run(
         [sys.executable, str(WORKERS / "estimate_allocation.py")],
-        env=_env(),
+        env=subprocess_env(),
         capture_output=True,
         text=True,
         timeout=300,
@@ -320,7 +312,7 @@ def eight_devices() -> dict:
     (`tests/workers/estimate_eight_devices.py`)."""
     done = subprocess.run(
         [sys.executable, str(WORKERS / "estimate_eight_devices.py")],
-        env=_env(devices=8),
+        env=subprocess_env(devices=8),
         capture_output=True,
         text=True,
         timeout=300,
@@ -429,7 +421,7 @@ def _measure_in_fresh_process(method: str, config: BlockConfig, dtype: str) -> d
     for _ in range(3):
         done = subprocess.run(
             [sys.executable, "-m", "eqx_lean.bench._worker", method, payload],
-            env=_env(),
+            env=subprocess_env(),
             capture_output=True,
             text=True,
             timeout=300,

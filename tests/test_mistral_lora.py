@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from harness import subprocess_env
 from safetensors import safe_open
 from test_mistral import CONFIGS, hf_logits, hf_model, max_diff, tokens
 
@@ -501,11 +502,10 @@ def test_step_memory_reports_the_adapters_and_their_optimizer_state():
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
     return subprocess.run(
         [sys.executable, "-m", "examples.mistral7b", *args],
         cwd=ROOT,
-        env=env,
+        env=subprocess_env(),
         capture_output=True,
         text=True,
         timeout=600,

@@ -11,7 +11,6 @@ import contextlib
 import dataclasses
 import functools
 import json
-import os
 import re
 import socket
 import subprocess
@@ -27,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from harness import GPTBlock, GPTConfig, bits, keys_of, mesh_of
+from harness import GPTBlock, GPTConfig, bits, keys_of, mesh_of, subprocess_env
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 import eqx_lean
@@ -764,14 +763,6 @@ def _multiprocess_check(port: int, process_id: int, layer: str) -> dict[str, Any
 _MARKER = "EQX_LEAN_RESULTS:"
 
 
-def _subprocess_env(devices: int) -> dict[str, str]:
-    repo = str(Path(eqx_lean.__file__).resolve().parents[1])
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
-    env["PYTHONPATH"] = os.pathsep.join([repo, *filter(None, [env.get("PYTHONPATH")])])
-    env.pop("JAX_PLATFORMS", None)
-    return env
-
-
 def _results_of(stdout: str) -> Any:
     lines = [line for line in stdout.splitlines() if line.startswith(_MARKER)]
     assert lines, f"no results printed; stdout ended with:\n{stdout[-2000:]}"
@@ -786,7 +777,7 @@ class _Job:
         # Files, not pipes: a process blocked on a full pipe would stall its peer's collectives.
         self.logs = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in commands]
         self.procs = [
-            subprocess.Popen(command, env=_subprocess_env(devices), stdout=out, stderr=err)
+            subprocess.Popen(command, env=subprocess_env(devices), stdout=out, stderr=err)
             for command, (out, err) in zip(commands, self.logs, strict=True)
         ]
 
