@@ -14,6 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxtyping import Array, PRNGKeyArray
 
 import eqx_lean
+from eqx_lean.internal import cast_floating
 from eqx_lean.lora import (
     LoraConfig,
     LoraLinear,
@@ -343,9 +344,7 @@ def test_merge_equals_the_adapted_forward_and_unmerge_restores_the_base():
 
 
 def test_merge_donates_and_bfloat16_unmerge_is_refused():
-    model = jax.tree.map(
-        lambda a: a.astype(jnp.bfloat16) if eqx.is_inexact_array(a) else a, make_model()
-    )
+    model = cast_floating(make_model(), jnp.bfloat16)
     lora = randomized(
         add_lora(model, LoraConfig(r=RANK, target_modules=("up",)), key=jax.random.key(1))
     )

@@ -10,7 +10,13 @@ import numpy as np
 import pytest
 
 import eqx_lean
-from eqx_lean.internal import linear_product, quant_product, quantized_product, rows_per_chunk
+from eqx_lean.internal import (
+    cast_floating,
+    linear_product,
+    quant_product,
+    quantized_product,
+    rows_per_chunk,
+)
 from eqx_lean.lora import LoraConfig, add_lora, lora_filter, merge_lora
 from eqx_lean.quant import (
     QuantConfig,
@@ -51,9 +57,7 @@ def _model(dtype=jnp.bfloat16, layers=3):
     keys = jax.random.split(jax.random.key(0), layers)
     blocks = eqx_lean.build_stacked(Block, keys, dtype)
     head = eqx.nn.Linear(64, 10, use_bias=False, key=jax.random.key(1))
-    return Model(
-        blocks, jax.tree.map(lambda a: a.astype(dtype) if eqx.is_inexact_array(a) else a, head)
-    )
+    return Model(blocks, cast_floating(head, dtype))
 
 
 def _run(model, x):
