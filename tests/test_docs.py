@@ -58,10 +58,8 @@ def _public_names() -> list[str]:
 
 
 def _mkdocs_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    env["NO_MKDOCS_2_WARNING"] = "1"  # Material's banner, printed on every build
-    return env
+    # NO_MKDOCS_2_WARNING: Material's banner, printed on every build.
+    return subprocess_env(NO_MKDOCS_2_WARNING="1")
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ import pytest
 from harness import subprocess_env
 
 
-REPO = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("io_race.py")
 
 

@@ -22,7 +22,6 @@ import eqx_lean
 from eqx_lean.internal import OPEN_RETRIES, snapshot
 
 
-REPO = Path(__file__).resolve().parents[1]
 LIKE = {"x": jax.ShapeDtypeStruct((4, 8, 8), jnp.float32)}
 NAMES = {"x": "layers.{i}.x"}
 
