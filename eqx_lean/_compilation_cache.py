@@ -10,6 +10,7 @@ evicting and recompiling.
 import hashlib
 import os
 import platform
+import tempfile
 from pathlib import Path
 
 import jax
@@ -46,8 +47,61 @@ def machine_key() -> str:
 
 def default_cache_dir() -> Path:
     """`$XDG_CACHE_HOME/eqx_lean/xla/<machine>` (`~/.cache` without `XDG_CACHE_HOME`)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    # The XDG specification says a relative path there is invalid and to be ignored: taken as
+    # it is, it would put the cache under whatever directory the process happens to start in.
+    if not os.path.isabs(base):
+        home = os.path.expanduser("~")
+        if not os.path.isabs(home):
+            raise OSError(
+                "The compilation cache's default directory is under the home directory, but "
+                "it cannot be determined: set HOME (or XDG_CACHE_HOME) to an absolute path, "
+                f"or {ENV} to the directory to use."
+            )
+        base = os.path.join(home, ".cache")
     return Path(base) / "eqx_lean" / "xla" / machine_key()
+
+
+def _why_not_a_directory(error: OSError) -> str:
+    """Why `mkdir -p` failed, naming the path it failed at (a parent, possibly)."""
+    name = error.filename if error.filename is not None else "?"
+    if isinstance(error, (FileExistsError, NotADirectoryError)):
+        # `mkdir` names the path it could not create, and `NotADirectoryError` the path
+        # below a file: find the component that exists but is no directory.
+        path = Path(name)
+        while not (path.exists() or path.is_symlink()) and path != path.parent:
+            path = path.parent
+        if path.is_symlink() and not path.exists():
+            return f"{path} is a symbolic link to {os.readlink(path)}, which does not exist"
+        if path.exists() and not path.is_dir():
+            return f"{path} exists and is not a directory"
+    return f"{name} could not be created ({error.strerror})"
+
+
+def _check_directory(path: Path, source: str, remedy: str) -> None:
+    """Creates `path` (mode 0700) if missing, then checks this process can list it and write a
+    file in it, as JAX's cache will: else raises an `OSError` saying so, before JAX is told.
+
+    JAX itself only warns, for every program it compiles, when it cannot write an entry, and
+    `mkdir` fails with a bare error naming a parent, or nothing of the cache at all."""
+
+    def refuse(why: str) -> OSError:
+        return OSError(
+            f"The compilation cache's directory {path} ({source}) must be a directory this "
+            f"process can create, list and write files in, but {why}. {remedy}"
+        )
+
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as e:
+        raise refuse(_why_not_a_directory(e)) from e
+    try:
+        os.listdir(path)
+        fd, probe = tempfile.mkstemp(prefix=".eqx_lean-probe-", dir=path)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise refuse(f"{e.filename or path} could not be read or written ({e.strerror})") from e
 
 
 def use_compilation_cache(directory: str | os.PathLike | None = None) -> Path | None:
@@ -73,6 +127,12 @@ def use_compilation_cache(directory: str | os.PathLike | None = None) -> Path | 
     (`JAX_COMPILATION_CACHE_DIR` or `jax.config.update("jax_compilation_cache_dir", ...)`),
     that setting is kept.
 
+    The directory is checked first: it is created if missing, and it must be a directory this
+    process can list and write files in. Otherwise this raises an `OSError` naming it and what
+    is wrong (a file in the way, a dangling symbolic link, no permission), and leaves JAX's
+    configuration as it was, so a caller that wants to run uncached instead can catch it, as
+    the `python -m examples.mistral7b` commands do.
+
     **Arguments:**
 
     - `directory`: where to keep the cache. Default: the environment variable
@@ -83,6 +143,10 @@ def use_compilation_cache(directory: str | os.PathLike | None = None) -> Path | 
     **Returns:**
 
     The directory in use, or `None` when turned off.
+
+    **Raises:**
+
+    `OSError` if the directory is not one this process can create, list and write files in.
     """
     configured = jax.config.jax_compilation_cache_dir  # pyright: ignore[reportAttributeAccessIssue]
     if directory is None:
@@ -91,9 +155,16 @@ def use_compilation_cache(directory: str | os.PathLike | None = None) -> Path | 
             return None
         if configured:
             return Path(configured)
-        directory = setting or default_cache_dir()
+        if setting:
+            directory, source = setting, f"from {ENV}"
+        else:
+            directory, source = default_cache_dir(), "the default"
+        remedy = f"Set {ENV} to another directory, or to off to run without the cache."
+    else:
+        source = "passed to use_compilation_cache"
+        remedy = "Pass another directory."
     path = Path(directory).expanduser()
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    _check_directory(path, source, remedy)
     jax.config.update("jax_compilation_cache_dir", str(path))
     # JAX caches only programs that took a second to compile by default: a run's dozens of
     # small programs (loads, writes, updates) would all compile again.

@@ -24,12 +24,15 @@
 Every command keeps the programs it compiles in JAX's persistent compilation cache
 (`eqx_lean.use_compilation_cache()`: `~/.cache/eqx_lean/xla/<machine>`, or the directory in
 `EQX_LEAN_COMPILATION_CACHE`), so running it again compiles nothing; `--no-compilation-cache`
-or `EQX_LEAN_COMPILATION_CACHE=off` turns that off.
+or `EQX_LEAN_COMPILATION_CACHE=off` turns that off. Where that directory cannot be used (a
+read-only home, a file in its place), a command warns in one line naming it and runs without
+the cache.
 """
 
 import argparse
 import dataclasses
 import os
+import sys
 import threading
 import time
 from typing import Any
@@ -431,7 +434,12 @@ def main() -> None:
         )
     args = parser.parse_args()
     if not args.no_compilation_cache:
-        eqx_lean.use_compilation_cache()
+        try:
+            eqx_lean.use_compilation_cache()
+        except OSError as e:
+            # The cache only saves compilation time: a directory it cannot use (a read-only
+            # home, a file where the directory should be) is no reason to fail the command.
+            print(f"warning: running without a compilation cache. {e}", file=sys.stderr)
     args.run(args)
 
 
