@@ -125,9 +125,16 @@ def mistral_build() -> None:
         mesh = one_device_mesh(spec)
         keys = jax.random.split(jax.random.key(0), n)
         start = time.perf_counter()
-        est = eqx_lean.memory.estimate(_mistral_block, keys, jnp.bfloat16, mesh=mesh)
+        # Placed on the mesh's one device, so that every row is compiled for the target: this
+        # table's first edition passed `mesh=` alone, which then left the build on this CPU.
+        est = eqx_lean.memory.estimate(_mistral_block, keys, jnp.bfloat16, P(), mesh=mesh)
         seconds = time.perf_counter() - start
-        row("build_stacked (bf16)", spec, est.build_stacked_peak, where.device_memory, seconds)
+        assert est.platform == where.platform, (est.platform, spec)
+        temps = f"largest write's temp {est.write_temp_bytes[0] / GiB:.2f} GiB"
+        note = f"estimate on {est.platform}, {temps}"
+        row(
+            "build_stacked (bf16)", spec, est.build_stacked_peak, where.device_memory, seconds, note
+        )
         p = plan(
             lambda k: _cast_bf16(eqx.filter_vmap(_mistral_block)(k)),
             key_struct(jax.sharding.SingleDeviceSharding(where.devices[0]), n),

@@ -183,6 +183,20 @@ def _first_device(shardings: Sequence[Sharding | None]) -> SingleDeviceSharding 
     return None
 
 
+def _default_placement(mesh: Mesh | None) -> SingleDeviceSharding | None:
+    """Where `build_stacked` without a sharding would put the stack, for a build on `mesh`'s
+    hardware: `None` (the default device) for a mesh of this machine's devices; for a mesh of
+    another machine's devices (a target's compile-only ones), its first device, where a run on
+    that hardware puts an uncommitted array (as `plan` places an unplaced argument).
+
+    Without this, a target's mesh alone left the stack on this machine's CPU, and the estimate
+    was XLA:CPU's, not the target's."""
+    mesh = _core.current_mesh(mesh)
+    if not isinstance(mesh, Mesh) or not set(mesh.devices.flat).isdisjoint(jax.devices()):
+        return None
+    return SingleDeviceSharding(mesh.devices.flat[0])
+
+
 # Below this, a dispatched operation's XLA temporaries are not worth a compilation to find out.
 _EAGER_TEMP_MIN_OUTPUT = MiB
 
@@ -312,6 +326,13 @@ def estimate(
     rows run unsharded on one device, so they are compiled for the first device of the build's
     shardings (the mesh's first device), or the default device without a sharding.
 
+    `sharding=None` means what it means for `build_stacked`: default placement, the whole stack
+    on one device. With `mesh=` over a target's devices (no device of this machine), that is
+    the device a run on that hardware would use, the mesh's first: the estimate is for the
+    target, as with `sharding=SingleDeviceSharding(mesh.devices.flat[0])`. Pass
+    `sharding=PartitionSpec()` to replicate every leaf over the mesh instead (the same peak per
+    device), or a sharding such as [`eqx_lean.fsdp`][] to spread the stack over it.
+
     On CPU the peaks include a measured allowance for the host memory that compiling and
     glibc's allocator leave resident (`runtime_overhead` for `build_stacked`); they predict the
     resident memory over idle of a fresh process. On accelerators they are XLA's figures alone.
@@ -329,6 +350,10 @@ def estimate(
     A [`eqx_lean.memory.MemoryEstimate`][]; `print` it for a table.
     """
     plan = _core.plan_build(make_layer, keys, dtype, sharding, mesh)
+    if all(s is None for s in plan.shardings):
+        device = _default_placement(mesh)
+        if device is not None:
+            plan = _core.plan_build(make_layer, keys, dtype, device, mesh)
     vmapped = _vmapped_leaves(make_layer)
     device = _first_device(plan.shardings)
     key_struct = _core.struct_of(keys, device)

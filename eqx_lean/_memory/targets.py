@@ -56,14 +56,21 @@ _TORUS_2D |= {256: "16x16", 512: "16x32", 1024: "32x32"}
 _TORUS_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8"}
 _TORUS_3D |= {256: "4x8x8", 512: "8x8x8", 1024: "8x8x16", 2048: "8x16x16", 4096: "16x16x16"}
 
+# The largest GPU topology shown to compile here (XLA's "1x32x8": a 175B build on 256 H100s,
+# docs/planning.md): nothing bounded a spec before, and `"1000x1000xh100"` built a million
+# compile-only devices (6 GiB and half a minute) before anything could be planned. Eight GPUs
+# per host is what an SXM machine (HGX/DGX) holds.
+MAX_GPU_HOSTS = 32
+MAX_GPUS_PER_HOST = 8
+
 _MEM_FRACTION_VARIABLES = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")
 _DEFAULT_GPU_FRACTION = 0.75  # what JAX's GPU client takes without either variable
 
 KNOWN_SPECS = (
     '"cpu"; GPUs "h100", "a100-40gb", "a100-80gb" as "<gpu>", "<N>x<gpu>" (N GPUs in one host) or '
-    '"<H>x<N>x<gpu>" (H hosts of N); TPU slices as MaxText names them: "v2-<cores>", "v3-<cores>", '
-    '"v4-<cores>", "v5p-<cores>" (TensorCores; devices are megacore chips for v4 and v5p), '
-    '"v5e-<chips>", "v6e-<chips>"'
+    '"<H>x<N>x<gpu>" (H hosts of N; at most 32 hosts of 8); TPU slices as MaxText names them: '
+    '"v2-<cores>", "v3-<cores>", "v4-<cores>", "v5p-<cores>" (TensorCores; devices are megacore '
+    'chips for v4 and v5p), "v5e-<chips>", "v6e-<chips>"'
 )
 
 
@@ -154,8 +161,9 @@ def target(spec: str, *, memory_fraction: float | None = None) -> Target:
 
     - `spec`: `"cpu"` (this machine's CPU devices); `"h100"`, `"a100-40gb"` or `"a100-80gb"`,
         alone, as `"<N>x<gpu>"` (N GPUs in one host, such as `"8xh100"`) or as `"<H>x<N>x<gpu>"`
-        (H hosts of N GPUs, such as `"4x8xh100"`); or a TPU slice as MaxText names it:
-        `"v4-8"`, `"v5p-128"` (the number counts TensorCores; devices are megacore chips, two
+        (H hosts of N GPUs, such as `"4x8xh100"`), at most 8 GPUs per host and 32 hosts (the
+        largest topology shown to compile here, `"32x8xh100"`); or a TPU slice as MaxText names
+        it: `"v4-8"`, `"v5p-128"` (the number counts TensorCores; devices are megacore chips, two
         cores each), `"v5e-16"`, `"v6e-256"` (the number counts chips), `"v2-8"`, `"v3-8"`
         (cores; one device per core).
     - `memory_fraction`: GPU only: the fraction of each GPU's memory one process can use,
@@ -232,6 +240,15 @@ def _parse_gpu(spec: str) -> tuple[str, int, int] | None:
     hosts, per_host = (int(first), int(second)) if second else (1, int(first or 1))
     if hosts < 1 or per_host < 1:
         raise ValueError(f"Target spec {spec!r} asks for no GPUs; counts must be at least 1.")
+    if hosts > MAX_GPU_HOSTS or per_host > MAX_GPUS_PER_HOST:
+        raise ValueError(
+            f"Target spec {spec!r} asks for {hosts} host(s) of {per_host} GPU(s): a GPU target "
+            f"must have at most {MAX_GPUS_PER_HOST} GPUs per host and at most {MAX_GPU_HOSTS} "
+            f"hosts ({MAX_GPU_HOSTS * MAX_GPUS_PER_HOST} GPUs, '{MAX_GPU_HOSTS}x"
+            f"{MAX_GPUS_PER_HOST}x{name}'), the largest topology shown to compile here. Write "
+            f"more than {MAX_GPUS_PER_HOST} GPUs as hosts of {MAX_GPUS_PER_HOST}, such as "
+            f"'2x{MAX_GPUS_PER_HOST}x{name}'."
+        )
     return name, hosts, per_host
 
 
