@@ -9,7 +9,7 @@ from typing import Any
 import equinox as eqx
 import jax
 from jax.extend import core as jcore
-from jax.sharding import Mesh, NamedSharding, Sharding, SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 from jaxtyping import PRNGKeyArray
 
 from .. import _core
@@ -183,18 +183,18 @@ def _first_device(shardings: Sequence[Sharding | None]) -> SingleDeviceSharding 
     return None
 
 
-def _default_placement(mesh: Mesh | None) -> SingleDeviceSharding | None:
-    """Where `build_stacked` without a sharding would put the stack, for a build on `mesh`'s
-    hardware: `None` (the default device) for a mesh of this machine's devices; for a mesh of
-    another machine's devices (a target's compile-only ones), its first device, where a run on
-    that hardware puts an uncommitted array (as `plan` places an unplaced argument).
+def _default_placement(mesh: Mesh | None) -> NamedSharding | None:
+    """Where `build_stacked` without a sharding puts the stack on `mesh`'s hardware, where that
+    is not this machine: replicated over the mesh, as JAX places an array created under
+    `jax.set_mesh(mesh)` and as `sharding=PartitionSpec()` would. `None` (left to the resolver)
+    for a mesh of this machine's devices, or none.
 
     Without this, a target's mesh alone left the stack on this machine's CPU, and the estimate
     was XLA:CPU's, not the target's."""
     mesh = _core.current_mesh(mesh)
     if not isinstance(mesh, Mesh) or not set(mesh.devices.flat).isdisjoint(jax.devices()):
         return None
-    return SingleDeviceSharding(mesh.devices.flat[0])
+    return NamedSharding(mesh, PartitionSpec())
 
 
 # Below this, a dispatched operation's XLA temporaries are not worth a compilation to find out.
@@ -326,12 +326,11 @@ def estimate(
     rows run unsharded on one device, so they are compiled for the first device of the build's
     shardings (the mesh's first device), or the default device without a sharding.
 
-    `sharding=None` means what it means for `build_stacked`: default placement, the whole stack
-    on one device. With `mesh=` over a target's devices (no device of this machine), that is
-    the device a run on that hardware would use, the mesh's first: the estimate is for the
-    target, as with `sharding=SingleDeviceSharding(mesh.devices.flat[0])`. Pass
-    `sharding=PartitionSpec()` to replicate every leaf over the mesh instead (the same peak per
-    device), or a sharding such as [`eqx_lean.fsdp`][] to spread the stack over it.
+    `sharding=None` with `mesh=` over a target's devices (none of this machine's) places the
+    build on that mesh, replicated, as `sharding=PartitionSpec()` would and as JAX places an
+    array created under `jax.set_mesh`: the estimate is the target's (its `platform` says so),
+    with the whole stack on every device of the mesh. Pass a sharding such as
+    [`eqx_lean.fsdp`][] to spread the stack over the mesh instead.
 
     On CPU the peaks include a measured allowance for the host memory that compiling and
     glibc's allocator leave resident (`runtime_overhead` for `build_stacked`); they predict the
