@@ -96,7 +96,8 @@ def _check_directory(path: Path, source: str, remedy: str) -> None:
     except OSError as e:
         raise refuse(_why_not_a_directory(e)) from e
     try:
-        os.listdir(path)
+        with os.scandir(path) as entries:  # readable; a full cache need not be listed
+            next(entries, None)
         fd, probe = tempfile.mkstemp(prefix=".eqx_lean-probe-", dir=path)
         os.close(fd)
         os.unlink(probe)
