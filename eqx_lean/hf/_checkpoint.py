@@ -18,7 +18,8 @@ from .._io.names import stored_layer_count
 from .._io.quantized import quant_config
 from .._io.safetensors import INDEX_FILE, WEIGHTS_FILE
 from ..quant._linear import QuantConfig
-from ._config import MistralConfig
+from ._config import MistralConfig, config_from_file, parse_config_json
+from ._families import DTYPE_NAMES, declared_layers, stated_dtype
 from ._model import DecoderBlock, Mistral, RMSNorm, _linear_from_weight, _resolve_dtype, make_block
 from ._quantized import load_quantized, refuse_prequantized
 
@@ -55,13 +56,54 @@ def _tensor_names(like: Mistral) -> list[str]:
     return names
 
 
-def _checked(name: str, value: np.ndarray, expected: tuple[int, ...]) -> np.ndarray:
-    if tuple(value.shape) != tuple(expected):
+_Q, _KV = ("num_attention_heads", "head_dim"), ("num_key_value_heads", "head_dim")
+# The config fields each dimension of a tensor is sized by, by the end of its HF name.
+_DIM_FIELDS: dict[str, tuple[tuple[str, ...], ...]] = {
+    "embed_tokens.weight": (("vocab_size",), ("hidden_size",)),
+    "lm_head.weight": (("vocab_size",), ("hidden_size",)),
+    "norm.weight": (("hidden_size",),),
+    "q_proj.weight": (_Q, ("hidden_size",)),
+    "k_proj.weight": (_KV, ("hidden_size",)),
+    "v_proj.weight": (_KV, ("hidden_size",)),
+    "o_proj.weight": (("hidden_size",), _Q),
+    "q_proj.bias": (_Q,),
+    "k_proj.bias": (_KV,),
+    "v_proj.bias": (_KV,),
+    "o_proj.bias": (("hidden_size",),),
+    "gate_proj.weight": (("intermediate_size",), ("hidden_size",)),
+    "up_proj.weight": (("intermediate_size",), ("hidden_size",)),
+    "down_proj.weight": (("hidden_size",), ("intermediate_size",)),
+    "gate_proj.bias": (("intermediate_size",),),
+    "up_proj.bias": (("intermediate_size",),),
+    "down_proj.bias": (("hidden_size",),),
+}
+
+
+def _sized_by(
+    name: str, expected: tuple[int, ...], held: tuple[int, ...], config: MistralConfig
+) -> str:
+    """The config fields, with their values, that give tensor `name` a shape other than the
+    one held: "`hidden_size`=16 gives", "`hidden_size`=16, `vocab_size`=8 give"."""
+    end = ".".join(name.split(".")[-2:])
+    dims = _DIM_FIELDS.get("norm.weight" if end.endswith("norm.weight") else end)
+    if dims is None or len(dims) != len(expected):
+        return "sizes give"
+    wrong = [i for i in range(len(expected)) if i >= len(held) or expected[i] != held[i]]
+    fields = dict.fromkeys(field for i in wrong or range(len(expected)) for field in dims[i])
+    values = {"head_dim": config.resolved_head_dim}
+    shown = [f"`{f}`={values.get(f, getattr(config, f))}" for f in fields]
+    return ", ".join(shown) + (" gives" if len(shown) == 1 else " give")
+
+
+def _check_shape(
+    name: str, held: tuple[int, ...], expected: tuple[int, ...], config: MistralConfig
+) -> None:
+    if tuple(held) != tuple(expected):
         raise ValueError(
-            f"tensor `{name}` must have shape {list(expected)} for this config; "
-            f"got {list(value.shape)}."
+            f"tensor `{name}` must have shape {list(expected)}, which `config`'s "
+            f"{_sized_by(name, expected, tuple(held), config)} it; `state_dict` holds "
+            f"{list(held)}."
         )
-    return value
 
 
 def _assemble(
@@ -76,15 +118,11 @@ def _assemble(
     leaves = []
     for template, leaf in _named_leaves(like):
         if "{i}" not in template:
-            value = _checked(template, get_tensor(template), leaf.shape)
-            leaves.append(jnp.asarray(value).astype(leaf.dtype))
+            leaves.append(jnp.asarray(get_tensor(template)).astype(leaf.dtype))
             continue
         buffer = jnp.zeros(leaf.shape, leaf.dtype)
         for i in range(config.num_hidden_layers):
-            name = template.format(i=i)
-            buffer = eqx_lean.write_layer(
-                buffer, _checked(name, get_tensor(name), leaf.shape[1:]), i
-            )
+            buffer = eqx_lean.write_layer(buffer, get_tensor(template.format(i=i)), i)
         leaves.append(buffer)
     treedef = jax.tree.structure(like)
     return jax.tree.unflatten(treedef, leaves)
@@ -115,8 +153,15 @@ def from_hf_state_dict(
 
     **Returns:**
 
-    The [`Mistral`][] model.
+    The [`Mistral`][] model. The layer count and every tensor's shape are checked against
+    `config` before any buffer is allocated.
     """
+    held, expected = stored_layer_count(state_dict, _LAYER_PREFIX), config.num_hidden_layers
+    if held < expected:  # before any list of one name per layer is built
+        raise ValueError(
+            f"`state_dict` must hold the {expected} layers `config.num_hidden_layers` gives; "
+            f"it holds {held} ('{_LAYER_PREFIX}{{i}}.…' for i < {held})."
+        )
     missing = [name for name in _hf_names(config) if name not in state_dict]
     if missing:
         raise KeyError(
@@ -127,6 +172,12 @@ def from_hf_state_dict(
         if not np.array_equal(np.asarray(state_dict[_HEAD]), np.asarray(state_dict[_EMBED])):
             raise _untied_error("`config`")
     dtype = _resolve_dtype(config, dtype)
+    # Every shape before the first buffer: a size wrong in `config` is refused, not allocated.
+    for template, leaf in _named_leaves(abstract_model(config, dtype)):
+        stacked = "{i}" in template
+        shape = leaf.shape[1:] if stacked else leaf.shape
+        for name in [template.format(i=i) for i in range(expected)] if stacked else [template]:
+            _check_shape(name, tuple(np.shape(state_dict[name])), shape, config)
     return _assemble(lambda name: np.asarray(state_dict[name]), config, dtype)
 
 
@@ -207,14 +258,14 @@ def abstract_model(config: MistralConfig, dtype: Any = None) -> Mistral:
 _LAYER_PREFIX = "model.layers."
 
 
-def _check_config(
-    checkpoint: eqx_lean.Checkpoint, path: str, config: MistralConfig, like: Mistral, strict: bool
+def _check_layer_count(
+    expected: int | None, stored: Mapping[str, Any], path: str, strict: bool
 ) -> None:
-    """`config.json` must describe the weights: their layer count and every tensor's shape."""
+    """`config.json` must give the layer count the weights hold (`None`: it gives none a
+    config is built from, which building it reports)."""
     config_file = os.path.join(path, "config.json")
-    stored = eqx_lean.checkpoint_tensors(checkpoint)
-    held, expected = stored_layer_count(stored, _LAYER_PREFIX), config.num_hidden_layers
-    if held < expected or (strict and held > expected):
+    held = stored_layer_count(stored, _LAYER_PREFIX)
+    if expected is not None and (held < expected or (strict and held > expected)):
         hint = (
             f"Fix config.json, or pass `strict=False` to load its first {expected} layers."
             if held > expected
@@ -224,6 +275,15 @@ def _check_config(
             f"{config_file} says num_hidden_layers={expected}, but the weights in {path} hold "
             f"{held} layers ('{_LAYER_PREFIX}0.…' to '{_LAYER_PREFIX}{held - 1}.…'). {hint}"
         )
+
+
+def _check_shapes(
+    stored: Mapping[str, Any], path: str, config: MistralConfig, like: Mistral
+) -> None:
+    """`config.json` must give every tensor the shape the weights hold (after the layer count
+    is checked: this lists every layer's names)."""
+    config_file = os.path.join(path, "config.json")
+    expected = config.num_hidden_layers
     for leaf_path, leaf in jax.tree_util.tree_leaves_with_path(like):
         if not isinstance(leaf, jax.ShapeDtypeStruct):
             continue
@@ -232,10 +292,11 @@ def _check_config(
         shape = leaf.shape[1:] if stacked else leaf.shape
         for name in [template.format(i=i) for i in range(expected)] if stacked else [template]:
             if name in stored and stored[name].shape != shape:
+                held = tuple(stored[name].shape)
                 raise ValueError(
-                    f"{config_file} does not match the weights in {path}: it gives tensor "
-                    f"{name!r} the shape {list(shape)}, but the weights hold "
-                    f"{list(stored[name].shape)}."
+                    f"{config_file} does not match the weights in {path}: its "
+                    f"{_sized_by(name, shape, held, config)} tensor {name!r} the shape "
+                    f"{list(shape)}, but the weights hold {list(held)}."
                 )
 
 
@@ -257,7 +318,9 @@ def load_hf(
     The load is strict: `config.json` must describe the weights (the same number of layers,
     every tensor's shape), and every tensor of the checkpoint must be loaded, except the buffers
     `transformers` computes from the config (`*.rotary_emb.inv_freq`). A mismatch is an error
-    that names the file and what differs, before anything is allocated.
+    that names the file and what differs (the config field, the tensor and both shapes), found
+    from the files' headers before anything is allocated; the layer count is checked before
+    anything of one entry per layer is built, so a wrong size fails at once, however large.
 
     **Arguments:**
 
@@ -268,7 +331,10 @@ def load_hf(
         `config.json` and the weights are read from one checkpoint, opened whole: a save
         replacing the directory during the load gives the old or the new model, never the
         config of one with the weights of the other.
-    - `dtype`: the model's dtype; `None` means the checkpoint's (`config.json`'s `dtype`).
+    - `dtype`: the model's dtype; `None` means the checkpoint's, as `transformers`'
+        `from_pretrained` reads it: `config.json`'s `dtype` (or its older `torch_dtype`), else
+        the dtype the weights are stored in (a `config.json` without either and weights
+        stored in several dtypes is refused: pass `dtype`).
     - `sharding`: as for [`eqx_lean.load_tensors`][]: `None`, one `jax.sharding.Sharding` for
         every leaf, a pytree of shardings with the model's structure, or a rule such as
         [`eqx_lean.fsdp`][].
@@ -326,13 +392,19 @@ def _load_opened(
             "not exist."
         )
     refuse_prequantized(raw, config_file)
-    config = MistralConfig.from_json_bytes(raw, config_file)
+    hf = parse_config_json(raw, config_file)
+    stored = eqx_lean.checkpoint_tensors(checkpoint)  # headers only
+    # Before the config is built: it may list one entry per layer (Qwen2's `layer_types`).
+    _check_layer_count(declared_layers(hf), stored, path, strict)
+    config = config_from_file(hf, config_file)
+    if stated_dtype(hf) is None:
+        config = _with_stored_dtype(config, stored, path, given=dtype is not None)
     config = _with_generation_eos(checkpoint, path, config)
     dtype = _resolve_dtype(config, dtype)
     like = abstract_model(config, dtype)
-    _check_config(checkpoint, path, config, like, strict)
+    _check_shapes(stored, path, config, like)
     layers = None if strict else config.num_hidden_layers
-    stored_head = _HEAD in eqx_lean.checkpoint_tensors(checkpoint)
+    stored_head = _HEAD in stored
     if quant is not None:
         if config.tie_word_embeddings and stored_head:
             raise ValueError(
@@ -368,6 +440,31 @@ def _load_opened(
     if not bool(jnp.array_equal(model.lm_head.weight, model.embed_tokens.weight)):
         raise _untied_error(config_file)
     return Mistral(model.embed_tokens, model.layers, model.norm, None, config)
+
+
+def _with_stored_dtype(
+    config: MistralConfig, stored: Mapping[str, Any], path: str, given: bool
+) -> MistralConfig:
+    """`config` in the dtype its weights are stored in, for a `config.json` that states none:
+    what `transformers`' `from_pretrained` loads (its `dtype="auto"`), never a narrower one.
+    Weights stored in several dtypes are refused unless the load is `given` its own."""
+    names = set(_tensor_names(abstract_model(config))) | {_HEAD}
+    found: dict[str, str] = {}  # each floating dtype, with the first tensor stored in it
+    for name, struct in stored.items():
+        if name in names and jnp.issubdtype(struct.dtype, jnp.floating):
+            found.setdefault(jnp.dtype(struct.dtype).name, name)
+    if len(found) == 1 and next(iter(found)) in DTYPE_NAMES:
+        return dataclasses.replace(config, dtype=next(iter(found)))
+    if given or not found:
+        return config
+    config_file = os.path.join(path, "config.json")
+    shown = ", ".join(f"{dtype} ({name!r})" for dtype, name in found.items())
+    what = "in several dtypes" if len(found) > 1 else "in a dtype a model here is not built in"
+    raise ValueError(
+        f"{config_file} gives no `dtype` (nor `torch_dtype`), so the model would take the "
+        f"weights' own, but the weights in {path} are stored {what}: {shown}. State the model's "
+        f"dtype (one of {DTYPE_NAMES}) as `dtype` in config.json, or pass `dtype=` to load_hf."
+    )
 
 
 _GENERATION = "generation_config.json"

@@ -5,11 +5,8 @@ import json
 import os
 from typing import Any
 
-from ._families import FAMILIES, read_family, unknown_family, write_family
+from ._families import DTYPE_NAMES, FAMILIES, read_family, unknown_family, write_family
 from ._rope import Llama3Rope
-
-
-_DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +35,13 @@ class MistralConfig:
     `generation_config.json`'s (which [`generate`][] prefers, as `transformers` does; `()`
     when that file names none: `transformers` then never stops). It is not compared: configs
     that differ only there are equal.
+
+    `dtype` is the dtype a model is built and loaded in. Read from a file, it is what
+    `transformers` reads: `config.json`'s `dtype`, else its older `torch_dtype` (they must
+    agree if both are given; `"auto"` is refused, being `from_pretrained`'s argument, not a
+    config value), else `"float32"`, `transformers`' default for a config that states none;
+    [`load_hf`][] then takes the dtype the weights are stored in, as `from_pretrained` does.
+    The Python default, `"bfloat16"`, is Mistral-7B-v0.1's, for configurations made by hand.
     """
 
     vocab_size: int = 32000
@@ -103,8 +107,8 @@ class MistralConfig:
             raise ValueError(
                 f"`sliding_window` must be None or a positive integer; got {self.sliding_window!r}."
             )
-        if self.dtype not in _DTYPE_NAMES:
-            raise ValueError(f"`dtype` must be one of {_DTYPE_NAMES}; got {self.dtype!r}.")
+        if self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"`dtype` must be one of {DTYPE_NAMES}; got {self.dtype!r}.")
         self._check_family()
 
     def _check_family(self) -> None:
@@ -220,7 +224,9 @@ class MistralConfig:
             `rope_scaling`, `torch_dtype`) or the transformers-5 form (`rope_parameters`,
             `dtype`). Any other `model_type` is refused, as is any value this implementation
             does not compute (`hidden_act`, `attention_dropout`, a rope type other than
-            `default` and `llama3`, Llama's `pretraining_tp`, ...).
+            `default` and `llama3` wherever the file names one, Llama's `pretraining_tp`,
+            ...) and any two fields that disagree (`rope_parameters` and `rope_scaling`,
+            `dtype` and `torch_dtype`).
 
         **Returns:**
 
@@ -250,23 +256,7 @@ class MistralConfig:
 
         The `MistralConfig`, as [`MistralConfig.from_hf`][] reads it.
         """
-        text = raw.decode("utf-8", errors="replace")
-        try:
-            hf = json.loads(text)
-        except json.JSONDecodeError as e:
-            empty = " (the file is empty: was it truncated?)" if not text.strip() else ""
-            raise ValueError(
-                f"{path} must hold a JSON object (a HuggingFace config), but it is not valid "
-                f"JSON{empty}: {e.msg} at line {e.lineno}, column {e.colno}."
-            ) from None
-        if not isinstance(hf, dict):
-            raise ValueError(
-                f"{path} must hold a JSON object (a HuggingFace config); got a {type(hf).__name__}."
-            )
-        try:
-            return cls.from_hf(hf)
-        except (ValueError, TypeError) as e:
-            raise type(e)(f"{path} is not a config eqx_lean.hf reads: {e}") from e
+        return config_from_file(parse_config_json(raw, path), path)
 
     def to_hf(self) -> dict[str, Any]:
         """The transformers-5 `config.json` dictionary for this configuration."""
@@ -274,3 +264,30 @@ class MistralConfig:
 
 
 DecoderConfig = MistralConfig
+
+
+def parse_config_json(raw: bytes, path: str) -> dict[str, Any]:
+    """The JSON object a `config.json` file's bytes hold; `path` names the file in messages."""
+    text = raw.decode("utf-8", errors="replace")
+    try:
+        hf = json.loads(text)
+    except json.JSONDecodeError as e:
+        empty = " (the file is empty: was it truncated?)" if not text.strip() else ""
+        raise ValueError(
+            f"{path} must hold a JSON object (a HuggingFace config), but it is not valid "
+            f"JSON{empty}: {e.msg} at line {e.lineno}, column {e.colno}."
+        ) from None
+    if not isinstance(hf, dict):
+        raise ValueError(
+            f"{path} must hold a JSON object (a HuggingFace config); got a {type(hf).__name__}."
+        )
+    return hf
+
+
+def config_from_file(hf: dict[str, Any], path: str) -> MistralConfig:
+    """[`MistralConfig.from_hf`][] of the dictionary read from the file `path`, whose name
+    starts every message."""
+    try:
+        return MistralConfig.from_hf(hf)
+    except (ValueError, TypeError) as e:
+        raise type(e)(f"{path} is not a config eqx_lean.hf reads: {e}") from e

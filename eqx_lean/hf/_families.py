@@ -11,6 +11,7 @@ from ._rope import read_rope, rope_parameters
 
 
 FAMILIES = ("mistral", "llama", "qwen2")
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 # `transformers`' defaults for the fields a file may leave out, per family.
 _DEFAULTS: dict[str, dict[str, Any]] = {
@@ -108,10 +109,32 @@ def _common(hf: dict[str, Any], family: str) -> dict[str, Any]:
     )
     if "initializer_range" in hf:
         kwargs["initializer_range"] = hf["initializer_range"]
-    dtype = hf.get("dtype") or hf.get("torch_dtype")
-    if dtype is not None:
-        kwargs["dtype"] = str(dtype)
+    # transformers builds a config without a dtype in its default, float32 (`load_hf` then
+    # takes the weights' own, as `from_pretrained`'s `dtype="auto"` does).
+    kwargs["dtype"] = stated_dtype(hf) or "float32"
     return kwargs
+
+
+def stated_dtype(hf: dict[str, Any]) -> str | None:
+    """The dtype a `config.json` states: `dtype`, else the older `torch_dtype` (as transformers
+    reads them); `None` when it gives neither."""
+    given = {name: hf[name] for name in ("dtype", "torch_dtype") if hf.get(name) is not None}
+    if len(set(map(str, given.values()))) > 1:
+        raise ValueError(
+            f"`dtype` and `torch_dtype` must agree when both are given; got {given['dtype']!r} "
+            f"and {given['torch_dtype']!r}."
+        )
+    for name, value in given.items():
+        if value == "auto":
+            raise ValueError(
+                f"`{name}` must name the model's dtype, one of {DTYPE_NAMES}; got 'auto', which "
+                "is `from_pretrained`'s argument, not a config value (transformers cannot read it "
+                "in config.json). Leave it out to load the weights in their own dtype."
+            )
+        if value not in DTYPE_NAMES:
+            raise ValueError(f"`{name}` must be one of {DTYPE_NAMES}; got {value!r}.")
+        return value
+    return None
 
 
 def _read_mistral(hf: dict[str, Any]) -> dict[str, Any]:
@@ -160,6 +183,17 @@ def _read_qwen2(hf: dict[str, Any]) -> dict[str, Any]:
 
 
 _READERS = {"mistral": _read_mistral, "llama": _read_llama, "qwen2": _read_qwen2}
+
+
+def declared_layers(hf: dict[str, Any]) -> int | None:
+    """The layer count a `config.json` gives (its family's default when it gives none), read
+    before the config is built: `None` when the file is not one a config is built from, which
+    building it then reports."""
+    family = hf.get("model_type", "mistral")
+    if family not in _DEFAULTS:
+        return None
+    layers = hf.get("num_hidden_layers", _DEFAULTS[family]["num_hidden_layers"])
+    return layers if isinstance(layers, int) and not isinstance(layers, bool) else None
 
 
 def read_family(hf: dict[str, Any]) -> dict[str, Any]:

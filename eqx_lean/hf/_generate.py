@@ -62,6 +62,44 @@ def default_cache_size(model: Mistral, total_length: int) -> int:
     return total_length if window is None else min(window, total_length)
 
 
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int | np.integer) and not isinstance(value, bool) and bool(value >= 1)
+
+
+def _cache_size(cache_size: Any, model: Mistral, prompt_length: int, max_new_tokens: int) -> int:
+    """`cache_size`, checked: the cache is a ring buffer, so one smaller than the positions
+    some layer still attends to would overwrite keys that layer reads (other logits, no error).
+    """
+    total = prompt_length + max_new_tokens
+    needed = default_cache_size(model, total)
+    if cache_size is None:
+        return needed
+    if not _is_count(cache_size):
+        raise ValueError(f"`cache_size` must be None or a positive integer; got {cache_size!r}.")
+    if cache_size < needed:
+        windows = model.config.layer_windows
+        length = f"the prompt's {prompt_length} tokens and max_new_tokens={max_new_tokens}"
+        if all(w is None for w in windows):
+            why = f"every layer attends to the whole sequence: {length}"
+        elif None in windows:
+            why = (
+                f"its full-attention layers (`layer_types`) attend to the whole sequence: {length}"
+            )
+        elif needed < total:
+            why = (
+                f"every layer attends to its last {needed} positions (`sliding_window`), and a "
+                "ring buffer smaller than the window overwrites positions still in it"
+            )
+        else:
+            window = model.config.max_window
+            why = f"the sliding window ({window}) covers the whole sequence: {length}"
+        raise ValueError(
+            f"`cache_size` must be at least {needed} for this model and length ({why}); got "
+            f"{cache_size}. Leave it None for that size."
+        )
+    return int(cache_size)
+
+
 def generate(
     model: Mistral,
     prompt_ids: Int[Array, "batch prompt"],
@@ -84,8 +122,12 @@ def generate(
     - `key`: random key, needed when `temperature > 0`.
     - `temperature`: 0 for greedy decoding, else the softmax temperature.
     - `top_k`: sample only among the `top_k` most likely tokens.
-    - `cache_size`: slots of the KV cache; default: the whole sequence, or the sliding window
-        if that is shorter (older positions are overwritten, as the window never sees them).
+    - `cache_size`: slots of the KV cache, a ring buffer; `None` (the default): the whole
+        sequence (`prompt + max_new_tokens`), or the sliding window if every layer has one
+        and it is shorter (older positions are overwritten, as the window never sees them). A
+        larger size is allowed; a smaller one is refused, since it would overwrite keys a
+        layer still attends to: a model with any full-attention layer (Qwen2's mixed
+        `layer_types` included) needs the whole sequence, a sliding-window model its window.
     - `return_logits`: also return the logits each new token was chosen from.
     - `eos_token_id`: the ids that end a sequence; `None` means the checkpoint's
         (`model.config.stop_token_ids`: `generation_config.json`'s `eos_token_id`, else
@@ -101,12 +143,12 @@ def generate(
     prompt_ids = jnp.asarray(prompt_ids, jnp.int32)
     if prompt_ids.ndim != 2 or prompt_ids.shape[1] < 1:
         raise ValueError(f"`prompt_ids` must have shape [batch, prompt>0]; got {prompt_ids.shape}.")
-    if max_new_tokens < 1:
-        raise ValueError(f"`max_new_tokens` must be a positive integer; got {max_new_tokens}.")
+    if not _is_count(max_new_tokens):
+        raise ValueError(f"`max_new_tokens` must be a positive integer; got {max_new_tokens!r}.")
     if temperature > 0 and key is None:
         raise ValueError("`key` must be given when `temperature > 0` (sampling is random).")
     batch, prompt_length = prompt_ids.shape
-    size = cache_size or default_cache_size(model, prompt_length + max_new_tokens)
+    size = _cache_size(cache_size, model, prompt_length, max_new_tokens)
     cache = KVCache.empty(model.config, batch, size, model.dtype)
     params, static = eqx.partition(model, eqx.is_array)
     step = functools.partial(decode_step, static=static, temperature=temperature, top_k=top_k)

@@ -3,7 +3,9 @@ application in HF's `rotate_half` layout, and the causal (sliding-window) attent
 
 Both config forms are read: transformers ≥ 5's `rope_parameters` dict (with `rope_theta` in it),
 and transformers 4's top-level `rope_theta` beside an optional `rope_scaling` dict (whose kind
-is `rope_type` or, in older files, `type`).
+is `rope_type` or, in older files, `type`). Every place a file can name a rotary kind is read,
+and a kind not computed here, or two places that disagree, is refused (see `read_rope`): a
+scaled rope is never computed as the default one.
 """
 
 import dataclasses
@@ -15,7 +17,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 
-_REFUSED = ("linear", "dynamic", "yarn", "longrope")
+_REFUSED = ("linear", "dynamic", "yarn", "longrope", "proportional")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,8 +47,122 @@ class Llama3Rope:
             )
 
 
+# Every key a rotary scaling of `transformers` reads (`modeling_rope_utils.py`): a `default`
+# rope that carries one was meant as a scaling that lost its name.
+_SCALING_KEYS = (
+    "factor",
+    "low_freq_factor",
+    "high_freq_factor",
+    "attention_factor",
+    "beta_fast",
+    "beta_slow",
+    "mscale",
+    "mscale_all_dim",
+    "truncate",
+    "short_factor",
+    "long_factor",
+)
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _kind(rope: dict[str, Any], field: str) -> str:
+    """The rotary kind a dict names: `rope_type`, else the older `type`, else `default`."""
+    named = {key: rope[key] for key in ("rope_type", "type") if key in rope}
+    for key, value in named.items():
+        # transformers keys its rotary functions by this string: null or "" fails there.
+        if not isinstance(value, str) or not value:
+            raise ValueError(
+                f"`{field}.{key}` must name the rotary kind ('default' or 'llama3'); got {value!r}."
+            )
+    if len(set(named.values())) > 1:
+        raise ValueError(
+            f"`{field}` must name one rotary kind; its `rope_type` is {named['rope_type']!r} "
+            f"and its `type` {named['type']!r} (transformers reads `rope_type` alone)."
+        )
+    return next(iter(named.values()), "default")
+
+
+def _read_one(
+    rope: dict[str, Any], field: str, hf: dict[str, Any], default_theta: float
+) -> tuple[float, Llama3Rope | None]:
+    """The rotary embedding one flat dict (`rope_parameters` or `rope_scaling`) describes."""
+    kind = _kind(rope, field)
+    if kind not in ("default", "llama3"):
+        refused = "is not implemented" if kind in _REFUSED else "is unknown"
+        raise ValueError(
+            f"`{field}` asks for rope_type {kind!r}, which {refused} here: only 'default' and "
+            "'llama3' rotary embeddings are computed (not 'linear', 'dynamic', 'yarn', "
+            "'longrope' or 'proportional')."
+        )
+    top_theta = hf.get("rope_theta")
+    theta = rope["rope_theta"] if "rope_theta" in rope else hf.get("rope_theta", default_theta)
+    if "rope_theta" in rope and top_theta is not None and top_theta != theta:
+        raise ValueError(
+            f"`rope_theta` must be given once or agree: the top level says {top_theta!r}, "
+            f"`{field}.rope_theta` {theta!r}."
+        )
+    if not _number(theta) or theta <= 0:
+        raise ValueError(f"`rope_theta` must be a positive number; got {theta!r}.")
+    for where, values in (("", hf), (f"{field}.", rope)):
+        partial = values.get("partial_rotary_factor")
+        if partial is not None and (partial != 1.0 or isinstance(partial, bool)):
+            raise ValueError(
+                f"`{where}partial_rotary_factor` must be 1 (rotary embeddings on the whole "
+                f"head); got {partial!r}."
+            )
+    if kind == "default":
+        # A factor of 1 scales nothing in any kind; any other scaling value was meant for a
+        # scaled rope whose name was lost, which transformers would silently compute as default.
+        meant = {
+            key: rope[key]
+            for key in _SCALING_KEYS
+            if rope.get(key) is not None and not (key == "factor" and rope[key] == 1)
+        }
+        if meant:
+            raise ValueError(
+                f"`{field}` names rope_type 'default' but gives scaling parameters {meant}, "
+                "which the default rotary embedding does not use: name the scaling its "
+                "`rope_type`, or remove them."
+            )
+        return float(theta), None
+    missing = [name for name in _LLAMA3_KEYS if rope.get(name) is None]
+    if missing:
+        raise ValueError(f"`{field}` of rope_type 'llama3' must give {missing}; it does not.")
+    for name in _LLAMA3_KEYS:
+        wanted = int if name == "original_max_position_embeddings" else float
+        value = rope[name]
+        if not _number(value) or (wanted is int and not isinstance(value, int)):
+            raise ValueError(
+                f"`{field}.{name}` must be a{'n integer' if wanted is int else ' number'}; "
+                f"got {value!r}."
+            )
+    scaling = Llama3Rope(
+        factor=float(rope["factor"]),
+        low_freq_factor=float(rope["low_freq_factor"]),
+        high_freq_factor=float(rope["high_freq_factor"]),
+        original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+    )
+    return float(theta), scaling
+
+
 def read_rope(hf: dict[str, Any], default_theta: float) -> tuple[float, Llama3Rope | None]:
-    """The rotary base and scaling of a HuggingFace config dictionary.
+    """The rotary base and scaling of a HuggingFace config dictionary, from every place a
+    `config.json` can name them; anything not computed here, or contradictory, is refused.
+
+    The places, as transformers 5 reads them: the `rope_parameters` dict (transformers 5) and
+    the legacy `rope_scaling` dict (transformers 4; transformers 5 reads it *instead of*
+    `rope_parameters` when both are given), each naming its kind by `rope_type` or the older
+    `type`; the top-level `rope_theta` and `partial_rotary_factor` (used where the dict gives
+    none). Refused: a kind other than `default` and `llama3`; a null or empty kind; a dict whose
+    `rope_type` and `type` differ; `rope_parameters` and `rope_scaling` that describe different
+    embeddings; a `rope_theta` given twice with two values; a `default` rope with scaling
+    parameters (a `factor` other than 1, ...); per-layer-type dicts (Gemma 3's
+    `{"full_attention": {...}, "sliding_attention": {...}}`: these families rotate every layer
+    alike); a top-level `rope_type` that disagrees.
 
     **Arguments:**
 
@@ -57,41 +173,48 @@ def read_rope(hf: dict[str, Any], default_theta: float) -> tuple[float, Llama3Ro
 
     `(rope_theta, scaling)`, `scaling` being `None` for the default rotary embeddings.
     """
-    rope = hf.get("rope_parameters")
-    field = "rope_parameters"
-    if rope is None:
-        rope, field = hf.get("rope_scaling") or {}, "rope_scaling"
-    if not isinstance(rope, dict):
-        raise ValueError(f"`{field}` must be a JSON object or null; got {rope!r}.")
-    theta = rope.get("rope_theta", hf.get("rope_theta", default_theta))
-    if not isinstance(theta, int | float) or theta <= 0:
-        raise ValueError(f"`rope_theta` must be a positive number; got {theta!r}.")
-    partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-    if partial != 1.0:
+    readings = []
+    for field in ("rope_parameters", "rope_scaling"):
+        rope = hf.get(field)
+        if rope is None:
+            continue
+        if not isinstance(rope, dict):
+            raise ValueError(f"`{field}` must be a JSON object or null; got {rope!r}.")
+        per_layer = [key for key, value in rope.items() if isinstance(value, dict)]
+        if per_layer:
+            raise ValueError(
+                f"`{field}` must be one flat dict of rotary parameters; it gives them per "
+                f"layer type ({per_layer}), as Gemma 3 does, but the Mistral, Llama and Qwen2 "
+                "families rotate every layer alike (and transformers does not read this form "
+                "for them)."
+            )
+        if rope:  # an empty dict names nothing: transformers reads the other one, or defaults
+            readings.append((field, _read_one(rope, field, hf, default_theta)))
+    if not readings:
+        readings.append(("rope_theta", _read_one({}, "rope_parameters", hf, default_theta)))
+    if len(readings) == 2 and readings[0][1] != readings[1][1]:
+        described = [
+            f"`{field}` {_describe(theta, scaling)}" for field, (theta, scaling) in readings
+        ]
         raise ValueError(
-            "`partial_rotary_factor` must be 1 (rotary embeddings on the whole head); "
-            f"got {partial!r}."
+            "`rope_parameters` and `rope_scaling` must describe the same rotary embedding "
+            "(transformers 5 reads `rope_scaling` when both are given, ignoring the other); "
+            f"they differ: {described[0]}, {described[1]}."
         )
-    kind = rope.get("rope_type", rope.get("type")) or "default"
-    if kind == "default":
-        return float(theta), None
-    if kind != "llama3":
-        refused = "is not implemented" if kind in _REFUSED else "is unknown"
+    theta, scaling = readings[-1][1]
+    top = hf.get("rope_type")
+    if top is not None and top != ("default" if scaling is None else "llama3"):
         raise ValueError(
-            f"`{field}` asks for rope_type {kind!r}, which {refused} here: only 'default' and "
-            "'llama3' rotary embeddings are read (not 'linear', 'dynamic', 'yarn' or 'longrope')."
+            f"`rope_type` at the top level of the config ({top!r}) must agree with the rotary "
+            f"embedding its rope dicts describe ({_describe(theta, scaling)}); transformers "
+            "reads the kind from `rope_parameters` or `rope_scaling` only."
         )
-    names = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-    missing = [name for name in names if name not in rope]
-    if missing:
-        raise ValueError(f"`{field}` of rope_type 'llama3' must give {missing}; it does not.")
-    scaling = Llama3Rope(
-        factor=float(rope["factor"]),
-        low_freq_factor=float(rope["low_freq_factor"]),
-        high_freq_factor=float(rope["high_freq_factor"]),
-        original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
-    )
-    return float(theta), scaling
+    return theta, scaling
+
+
+def _describe(theta: float, scaling: Llama3Rope | None) -> str:
+    kind = "'default'" if scaling is None else f"'llama3' {dataclasses.asdict(scaling)}"
+    return f"rope_type {kind} with rope_theta {theta!r}"
 
 
 def rope_parameters(theta: float, scaling: Llama3Rope | None) -> dict[str, Any]:
