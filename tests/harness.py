@@ -14,9 +14,14 @@ change with what the benchmark measures. Tests of the benchmark itself use the b
 """
 
 import dataclasses
+import json
 import math
 import os
 import pathlib
+import socket
+import subprocess
+import tempfile
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -52,6 +57,66 @@ def subprocess_env(devices: int | None = None, **overrides: str) -> dict[str, st
         env["XLA_FLAGS"] = " ".join([*flags, f"{_DEVICE_COUNT_FLAG}={devices}"])
     env.update(overrides)
     return env
+
+
+# --- processes that print results: several JAX controllers, read when a test needs them ---------
+
+_RESULTS_MARKER = "EQX_LEAN_RESULTS:"
+
+
+def print_results(results: Any) -> None:
+    """Prints `results` (JSON) on one marked line of stdout, for `ProcessJob.results`."""
+    print(_RESULTS_MARKER + json.dumps(results), flush=True)
+
+
+def _results_of(stdout: str) -> Any:
+    lines = [line for line in stdout.splitlines() if line.startswith(_RESULTS_MARKER)]
+    assert lines, f"no results printed; stdout ended with:\n{stdout[-2000:]}"
+    return json.loads(lines[-1][len(_RESULTS_MARKER) :])
+
+
+def free_port() -> int:
+    """A loopback port free now, for a `jax.distributed` coordinator."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ProcessJob:
+    """Subprocesses started now (each with `subprocess_env(devices)`), whose results (printed
+    with `print_results`) are read when a test needs them."""
+
+    def __init__(self, commands: list[list[str]], devices: int, timeout: float):
+        self.deadline = time.monotonic() + timeout
+        # Files, not pipes: a process blocked on a full pipe would stall its peer's collectives.
+        self.logs = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in commands]
+        self.procs = [
+            subprocess.Popen(command, env=subprocess_env(devices), stdout=out, stderr=err)
+            for command, (out, err) in zip(commands, self.logs, strict=True)
+        ]
+
+    def results(self) -> list[Any]:
+        """Each process's results, in the order of `commands`, once all have ended."""
+        outputs = []
+        try:
+            for proc, (out, err) in zip(self.procs, self.logs, strict=True):
+                proc.wait(timeout=max(1.0, self.deadline - time.monotonic()))
+                out.seek(0)
+                err.seek(0)
+                assert proc.returncode == 0, err.read()[-4000:]
+                outputs.append(_results_of(out.read()))
+        finally:
+            self.stop()
+        return outputs
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for out, err in self.logs:
+            out.close()
+            err.close()
 
 
 def keys_of(n: int, seed: int = 0) -> jax.Array:

@@ -10,13 +10,8 @@ results that the test reads.
 import contextlib
 import dataclasses
 import functools
-import json
 import re
-import socket
-import subprocess
 import sys
-import tempfile
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -26,7 +21,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from harness import GPTBlock, GPTConfig, bits, keys_of, mesh_of, subprocess_env
+from harness import (
+    GPTBlock,
+    GPTConfig,
+    ProcessJob,
+    bits,
+    free_port,
+    keys_of,
+    mesh_of,
+    print_results,
+)
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 import eqx_lean
@@ -760,64 +764,14 @@ def _multiprocess_check(port: int, process_id: int, layer: str) -> dict[str, Any
     return result
 
 
-_MARKER = "EQX_LEAN_RESULTS:"
-
-
-def _results_of(stdout: str) -> Any:
-    lines = [line for line in stdout.splitlines() if line.startswith(_MARKER)]
-    assert lines, f"no results printed; stdout ended with:\n{stdout[-2000:]}"
-    return json.loads(lines[-1][len(_MARKER) :])
-
-
-class _Job:
-    """Subprocesses started now, whose printed results are read when a test needs them."""
-
-    def __init__(self, commands: list[list[str]], devices: int, timeout: float):
-        self.deadline = time.monotonic() + timeout
-        # Files, not pipes: a process blocked on a full pipe would stall its peer's collectives.
-        self.logs = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in commands]
-        self.procs = [
-            subprocess.Popen(command, env=subprocess_env(devices), stdout=out, stderr=err)
-            for command, (out, err) in zip(commands, self.logs, strict=True)
-        ]
-
-    def results(self) -> list[Any]:
-        outputs = []
-        try:
-            for proc, (out, err) in zip(self.procs, self.logs, strict=True):
-                proc.wait(timeout=max(1.0, self.deadline - time.monotonic()))
-                out.seek(0)
-                err.seek(0)
-                assert proc.returncode == 0, err.read()[-4000:]
-                outputs.append(_results_of(out.read()))
-        finally:
-            self.stop()
-        return outputs
-
-    def stop(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        for out, err in self.logs:
-            out.close()
-            err.close()
-
-
-def _two_process_job(layer: str) -> _Job:
-    port = _free_port()
+def _two_process_job(layer: str) -> ProcessJob:
+    port = free_port()
     commands = [[sys.executable, __file__, str(port), str(i), layer] for i in range(2)]
-    return _Job(commands, devices=4, timeout=120)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return ProcessJob(commands, devices=4, timeout=120)
 
 
 @pytest.fixture(scope="module", autouse=True)
-def two_process_job(request) -> Iterator[_Job | None]:
+def two_process_job(request) -> Iterator[ProcessJob | None]:
     """Starts the two processes at this module's first test, when a selected test reads them,
     so that they run while the checks above run in this process."""
     here = Path(__file__)
@@ -832,7 +786,7 @@ def two_process_job(request) -> Iterator[_Job | None]:
 
 
 @pytest.fixture(scope="module")
-def two_processes(two_process_job: _Job | None) -> list[dict[str, Any]]:
+def two_processes(two_process_job: ProcessJob | None) -> list[dict[str, Any]]:
     assert two_process_job is not None, "started for every selected test that reads it"
     return two_process_job.results()
 
@@ -871,7 +825,7 @@ def _main(argv: list[str]) -> None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     port, process_id, layer = argv
     results = _multiprocess_check(int(port), int(process_id), layer)
-    print(_MARKER + json.dumps(results), flush=True)
+    print_results(results)
 
 
 if __name__ == "__main__":
