@@ -151,7 +151,9 @@ def build_stacked(
         [`eqx_lean.memory.describe`][] shows what every leaf gets. Integer, boolean, complex and
         key leaves are never cast.
     - `sharding`: how each leaf of one layer is sharded (the layer axis is always replicated,
-        so that `lax.scan` can slice it): `None` (default placement); one `Sharding` or
+        so that `lax.scan` can slice it): `None`, JAX's default placement (replicated over the
+        mesh of `mesh=` or `jax.set_mesh`, as JAX places an array created under
+        `jax.set_mesh`; else the default device); one `Sharding` or
         `PartitionSpec` for every leaf; a pytree prefix of the layer with `Sharding`s,
         `PartitionSpec`s or `None`s; or a rule `(path, leaf) -> Sharding | PartitionSpec | None`
         given each leaf's key path and per-layer `ShapeDtypeStruct`, such as

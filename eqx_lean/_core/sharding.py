@@ -244,6 +244,7 @@ def resolve_shardings(
     *,
     per_layer: Sequence[bool] | None = None,
     argument: str = "sharding",
+    placement: bool = True,
 ) -> tuple[Sharding | None, ...]:
     """Each leaf's sharding under the policy `sharding`: the one resolver of the package.
 
@@ -257,14 +258,24 @@ def resolve_shardings(
         holds one layer's shape: that is what the sharding (and a rule) sees.
     - `per_layer`: for each leaf, whether it is one layer of a stacked leaf (default: all).
     - `argument`: the argument's name, for messages.
+    - `placement`: whether the shardings place new arrays (`sharding=` of a build or a load),
+        where no sharding at all means JAX's default placement: replicated over the mesh
+        (`mesh`, or the one `jax.set_mesh` sets), as JAX places an array created under
+        `jax.set_mesh`, else the default device. `False` for `gather=`, where `None` means
+        "as it is".
 
     **Returns:**
 
-    One sharding per leaf, for the shape in `structs`; `None` (default placement) only where no
-    leaf is named-sharded.
+    One sharding per leaf, for the shape in `structs`; `None` (the default device) only where
+    no leaf is named-sharded and no concrete mesh is given or set.
     """
     if sharding is None:
-        return (None,) * len(structs)
+        on = current_mesh(mesh) if placement else None
+        if not isinstance(on, Mesh):
+            return (None,) * len(structs)
+        # A build or load under `jax.set_mesh` is traced under that mesh: its arrays must
+        # live on it too (with Explicit axes JAX refuses to combine them with unplaced ones).
+        return (NamedSharding(on, PartitionSpec()),) * len(structs)
     mesh = current_mesh(mesh)
     per_layer = [True] * len(structs) if per_layer is None else list(per_layer)
     chosen = _per_leaf(sharding, paths, structs, treedef, argument)
@@ -375,6 +386,69 @@ def has_explicit_axes(sharding: Sharding | None) -> bool:
     if not isinstance(sharding, NamedSharding):
         return False
     return any(t == AxisType.Explicit for t in sharding.mesh.axis_types)
+
+
+def explicit_part(sharding: NamedSharding) -> NamedSharding:
+    """`sharding` with its spec naming only the mesh's Explicit axes: what an array's type can
+    say of it (on a mesh mixing Explicit and Auto axes, the Auto ones are the compiler's)."""
+    explicit = {
+        name
+        for name, kind in zip(sharding.mesh.axis_names, sharding.mesh.axis_types, strict=True)
+        if kind == AxisType.Explicit
+    }
+
+    def kept(entry: Any) -> Any:
+        names = tuple(name for name in axis_names(entry) if name in explicit)
+        return None if not names else names[0] if len(names) == 1 else names
+
+    return sharding.update(spec=PartitionSpec(*(kept(entry) for entry in sharding.spec)))
+
+
+def explicit_type_sharding(x: Any) -> NamedSharding | None:
+    """The sharding `x`'s type carries, where it names Explicit mesh axes; else `None`.
+
+    For an operation's `out_sharding=`: with Explicit axes JAX asks for it wherever the result's
+    sharding is ambiguous (a product contracting a sharded dimension, a gather of sharded rows),
+    and a gradient or an output shaped like `x` must be sharded as `x` is. With Auto axes (or
+    none) `None` leaves the choice to XLA, as a plain operation would.
+    """
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    return sharding if has_explicit_axes(sharding) else None
+
+
+def explicit_spec(x: Any) -> tuple[Any, ...] | None:
+    """One entry per dimension of `x` (`None` for an unsharded one) of the sharding its type
+    carries, where that names Explicit mesh axes; else `None`."""
+    sharding = explicit_type_sharding(x)
+    if sharding is None:
+        return None
+    return tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
+
+
+def resharded_like(x: Array, reference: Array) -> Array:
+    """`x` resharded as `reference` is, where both carry Explicit mesh axes and differ; else
+    `x` as it is (with Auto axes XLA chooses)."""
+    target = explicit_type_sharding(reference)
+    if target is None or explicit_type_sharding(x) is None:
+        return x
+    return jax.sharding.reshard(x, target)
+
+
+def like_last_axis(vector: Array, x: Array) -> Array:
+    """`vector`, a vector as long as `x`'s last dimension, sharded as `x` shards it.
+
+    For a bias or a norm's weight (which [`fsdp`][eqx_lean.fsdp] may split) broadcast against
+    activations: with Explicit mesh axes JAX refuses a product whose result would shard one mesh
+    axis twice (the batch over "data" and the vector over "data" too), so the vector is
+    resharded (gathered, for activations whose last axis is whole) first; its gradient comes
+    back sharded as it was. With Auto axes, or none, `vector` is returned as it is and XLA
+    chooses.
+    """
+    spec = explicit_spec(x)
+    if spec is None or explicit_type_sharding(vector) is None:
+        return vector
+    sharding = cast(NamedSharding, explicit_type_sharding(x))
+    return jax.sharding.reshard(vector, sharding.update(spec=PartitionSpec(spec[-1])))
 
 
 def constrain(x: Array, sharding: Sharding | None, *, inside_auto_axes: bool = False) -> Array:

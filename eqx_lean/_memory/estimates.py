@@ -9,7 +9,7 @@ from typing import Any
 import equinox as eqx
 import jax
 from jax.extend import core as jcore
-from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding, Sharding, SingleDeviceSharding
 from jaxtyping import PRNGKeyArray
 
 from .. import _core
@@ -183,20 +183,6 @@ def _first_device(shardings: Sequence[Sharding | None]) -> SingleDeviceSharding 
     return None
 
 
-def _default_placement(mesh: Mesh | None) -> NamedSharding | None:
-    """Where `build_stacked` without a sharding puts the stack on `mesh`'s hardware, where that
-    is not this machine: replicated over the mesh, as JAX places an array created under
-    `jax.set_mesh(mesh)` and as `sharding=PartitionSpec()` would. `None` (left to the resolver)
-    for a mesh of this machine's devices, or none.
-
-    Without this, a target's mesh alone left the stack on this machine's CPU, and the estimate
-    was XLA:CPU's, not the target's."""
-    mesh = _core.current_mesh(mesh)
-    if not isinstance(mesh, Mesh) or not set(mesh.devices.flat).isdisjoint(jax.devices()):
-        return None
-    return NamedSharding(mesh, PartitionSpec())
-
-
 # Below this, a dispatched operation's XLA temporaries are not worth a compilation to find out.
 _EAGER_TEMP_MIN_OUTPUT = MiB
 
@@ -326,10 +312,11 @@ def estimate(
     rows run unsharded on one device, so they are compiled for the first device of the build's
     shardings (the mesh's first device), or the default device without a sharding.
 
-    `sharding=None` with `mesh=` over a target's devices (none of this machine's) places the
-    build on that mesh, replicated, as `sharding=PartitionSpec()` would and as JAX places an
-    array created under `jax.set_mesh`: the estimate is the target's (its `platform` says so),
-    with the whole stack on every device of the mesh. Pass a sharding such as
+    `sharding=None` means what it means for [`eqx_lean.build_stacked`][]: with `mesh=` (or a
+    mesh set by `jax.set_mesh`) the build is replicated over that mesh, as
+    `sharding=PartitionSpec()` would place it and as JAX places an array created under
+    `jax.set_mesh`. So `mesh=target.mesh(...)` alone gives the target's estimate (its
+    `platform` says so), the whole stack on every device of the mesh. Pass a sharding such as
     [`eqx_lean.fsdp`][] to spread the stack over the mesh instead.
 
     On CPU the peaks include a measured allowance for the host memory that compiling and
@@ -349,10 +336,6 @@ def estimate(
     A [`eqx_lean.memory.MemoryEstimate`][]; `print` it for a table.
     """
     plan = _core.plan_build(make_layer, keys, dtype, sharding, mesh)
-    if all(s is None for s in plan.shardings):
-        device = _default_placement(mesh)
-        if device is not None:
-            plan = _core.plan_build(make_layer, keys, dtype, device, mesh)
     vmapped = _vmapped_leaves(make_layer)
     device = _first_device(plan.shardings)
     key_struct = _core.struct_of(keys, device)

@@ -14,14 +14,20 @@ from typing import Any, TypeAlias
 import jax
 from jax import lax
 from jax.core import Tracer
-from jax.sharding import NamedSharding, PartitionSpec, Sharding
+from jax.sharding import AxisType, NamedSharding, PartitionSpec, Sharding
 
 # The package's one sharding resolver: `build_stacked(sharding=...)` means the same.
 from .. import _platform
 from .._compat import shard_alike
-from .._core import ShardingPolicy, has_explicit_axes, resolve_shardings
+from .._core import ShardingPolicy, resolve_shardings
 from .._core.layout import layer_struct
-from .._core.sharding import aval_mesh, constrain, describe_mesh, same_mesh
+from .._core.sharding import (
+    aval_mesh,
+    constrain,
+    describe_mesh,
+    explicit_type_sharding,
+    same_mesh,
+)
 from .remat import checkpointed
 
 
@@ -73,7 +79,13 @@ def _resolve_policy(
     # Per layer, as the rule sees them in `build_stacked`: shapes without the layer axis.
     structs = [layer_struct(leaf) for leaf in leaves]
     resolved = resolve_shardings(
-        gather, _concrete_mesh(leaves) or mesh, paths, structs, treedef, argument="gather"
+        gather,
+        _concrete_mesh(leaves) or mesh,
+        paths,
+        structs,
+        treedef,
+        argument="gather",
+        placement=False,
     )
     shardings = []
     for path, leaf_mesh, chosen in zip(paths, meshes, resolved, strict=True):
@@ -156,14 +168,20 @@ def gathered_step(step: _Step, shardings: _GatherShardings) -> _Step:
 
 
 def _auto_mesh_leaves(leaves: Sequence[Any], shardings: _GatherShardings) -> list[bool]:
+    """The leaves gathered over a mesh with Auto axes (all of them Auto, or some)."""
     return [
-        s is not None and s.mesh.size > 1 and not has_explicit_axes(s)
+        s is not None and s.mesh.size > 1 and AxisType.Auto in s.mesh.axis_types
         for leaf, s in zip(leaves, shardings, strict=True)
     ]
 
 
 def _tie_to(cotangent: Any, primal: Any) -> Any:
-    if isinstance(primal, jax.Array) and not isinstance(primal, Tracer):
+    explicit = explicit_type_sharding(primal)
+    if explicit is not None:
+        # A mesh mixing both kinds: the type says how the Explicit axes shard the gradient
+        # (JAX's own transpose of a scan under `vmap` loses that), `shard_alike` the rest.
+        cotangent = jax.sharding.reshard(cotangent, explicit)
+    elif isinstance(primal, jax.Array) and not isinstance(primal, Tracer):
         return lax.with_sharding_constraint(cotangent, primal.sharding)
     return shard_alike(cotangent, primal)[0]
 
