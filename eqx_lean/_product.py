@@ -2,15 +2,45 @@
 LoRA adapters."""
 
 import math
+from typing import cast
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import Array, Float
+
+from ._core.sharding import axis_names, explicit_spec, explicit_type_sharding
+
+
+def product_sharding(x: Array, weight: Array, *, output_axis: int = 0) -> NamedSharding | None:
+    """Where `x @ weight.T` lands on Explicit mesh axes: the leading axes sharded as `x`'s,
+    the output axis as `weight`'s rows unless that shards a mesh axis the leading axes already
+    use (a batch over "data" times a head split over "data" by `fsdp`: the output keeps the
+    batch's sharding). `None` when neither operand names Explicit axes: XLA chooses.
+
+    `output_axis=1` is for `x @ weight`, whose output axis is `weight`'s columns (the input
+    gradient of a product).
+    """
+    x_spec, weight_spec = explicit_spec(x), explicit_spec(weight)
+    if x_spec is None and weight_spec is None:
+        return None
+    lead = (None,) * (x.ndim - 1) if x_spec is None else x_spec[:-1]
+    rows = None if weight_spec is None else weight_spec[output_axis]
+    if set(axis_names(rows)) & {name for entry in lead for name in axis_names(entry)}:
+        rows = None
+    sharding = cast(NamedSharding, explicit_type_sharding(x if x_spec is not None else weight))
+    return sharding.update(spec=PartitionSpec(*lead, rows))
 
 
 def _accumulated_product(x: Array, weight: Array) -> Array:
-    out = jnp.einsum("...i,oi->...o", x, weight, preferred_element_type=jnp.float32)
+    out = jnp.einsum(
+        "...i,oi->...o",
+        x,
+        weight,
+        preferred_element_type=jnp.float32,
+        out_sharding=product_sharding(x, weight),
+    )
     return out.astype(x.dtype)
 
 
@@ -50,10 +80,24 @@ def _low_precision_product_bwd(
     # the bfloat16 weight, for which XLA:CPU copies the weight to float32 (500 MiB for a
     # Mistral-7B head). The cotangent of the rounded output is bfloat16 already, so both
     # products take bfloat16 operands and accumulate in float32, as torch's backward does.
+    # Each gradient is sharded as its primal: with Explicit mesh axes JAX cannot choose, as the
+    # weight's gradient contracts the (batch-sharded) leading axes.
     x, weight = residuals
     f32 = jnp.float32
-    dx = jnp.einsum("...o,oi->...i", cotangent, weight, preferred_element_type=f32)
-    dweight = jnp.einsum("...o,...i->oi", cotangent, x, preferred_element_type=f32)
+    dx = jnp.einsum(
+        "...o,oi->...i",
+        cotangent,
+        weight,
+        preferred_element_type=f32,
+        out_sharding=explicit_type_sharding(x),
+    )
+    dweight = jnp.einsum(
+        "...o,...i->oi",
+        cotangent,
+        x,
+        preferred_element_type=f32,
+        out_sharding=explicit_type_sharding(weight),
+    )
     return dx.astype(x.dtype), dweight.astype(weight.dtype)
 
 

@@ -16,7 +16,14 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eqx_lean
-from eqx_lean.hf import MistralConfig, fsdp_shardings, lora_config_of_rank, plan_lora_step
+from eqx_lean.hf import (
+    MistralConfig,
+    abstract_model,
+    fsdp_shardings,
+    lora_config_of_rank,
+    next_token_loss,
+    plan_lora_step,
+)
 
 
 needs_gpu_plugin = pytest.mark.skipif(
@@ -114,3 +121,35 @@ def test_cli_plans_a_lora_step(tmp_path):
     # One row per device by default.
     assert "batch 8 x 16 tokens" in out.stdout
     assert "plan for 8xh100 (8 x gpu), per device: fits" in out.stdout
+
+
+@needs_gpu_plugin
+def test_plan_train_step_of_the_decoder_on_a_target_default_mesh():
+    """`memory.plan_train_step` of the decoder's loss on `target.mesh`'s default (Explicit)
+    axes, ids split by rows: it failed at the embedding lookup (issue 39). The plan is the one
+    made on the same mesh with Auto axes, where XLA chooses every sharding."""
+    optax = pytest.importorskip("optax")
+    config = MistralConfig(**TINY)
+    target = eqx_lean.memory.target("8xh100")
+
+    def plan_on(mesh: Any) -> Any:
+        model = abstract_model(config)
+        placed = fsdp_shardings(model, mesh)
+        model = jax.tree.map(
+            lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
+            model,
+            placed,
+        )
+        ids = jax.ShapeDtypeStruct((8, 32), jnp.int32, sharding=NamedSharding(mesh, P("fsdp")))
+        return eqx_lean.memory.plan_train_step(
+            next_token_loss, model, optax.adamw(1e-4), ids, target=target
+        )
+
+    explicit = plan_on(target.mesh((8,), ("fsdp",)))
+    auto = plan_on(target.mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,)))
+    assert (explicit.platform, explicit.num_devices, explicit.fits) == ("gpu", 8, True)
+    assert (explicit.argument, explicit.output, explicit.alias) == (
+        auto.argument,
+        auto.output,
+        auto.alias,
+    )

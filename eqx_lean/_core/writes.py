@@ -36,6 +36,7 @@ from .program import LayerProgram, has_tracers, trace_layer
 from .sharding import (
     ShardingPolicy,
     constrain,
+    explicit_part,
     has_explicit_axes,
     resolve_shardings,
     stacked_sharding,
@@ -256,7 +257,10 @@ def _write_run(
 
     if explicit:
         # With Explicit mesh axes, a layer built outside `auto_axes` would be replicated first.
-        out_sharding = tuple(stacked_sharding(s) for s in group.shardings)
+        # On a mesh mixing Explicit and Auto axes, the types name the Explicit ones only.
+        out_sharding = tuple(
+            explicit_part(cast(NamedSharding, stacked_sharding(s))) for s in group.shardings
+        )
         write = cast(Any, jax.sharding.auto_axes(write, out_sharding=out_sharding))
 
     # Named for compile logs (`jax.log_compiles`) and profiles.

@@ -152,9 +152,10 @@ def plan_train_step(
 
     Leaves follow [`eqx_lean.memory.plan`][]'s rules: shardings must be on the target's
     devices (a leaf with none is replicated over the devices the others use). A mesh from
-    `target.mesh` has `Explicit` axes by default; a loss whose products would shard one axis
-    twice needs `out_sharding=` there, or a mesh made with
-    `axis_types=(jax.sharding.AxisType.Auto,) * n`.
+    `target.mesh` has `Explicit` axes by default, on which eqx_lean's own layers (`fold`, the
+    LoRA and quantised products, `eqx_lean.hf`'s decoder and loss) run as they are; a loss of
+    your own whose products would shard one axis twice needs `out_sharding=` there, as on the
+    real devices, or a mesh made with `axis_types=(jax.sharding.AxisType.Auto,) * n`.
 
     **Arguments:**
 

@@ -4,17 +4,19 @@ list and row helpers the loops share."""
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import Array
 
 from .. import _platform
 from .._compat import shard_alike
+from .._core.sharding import explicit_spec, explicit_type_sharding
 from .remat import LayerPolicy, checkpointed
 
 
@@ -48,9 +50,21 @@ def rows_at(leaves: Sequence[Array], i: Any) -> list[Array]:
 
 def write_rows(buffers: Sequence[Array], rows: Sequence[Array], i: Any) -> list[Array]:
     return [
-        lax.dynamic_update_index_in_dim(b, r.astype(b.dtype), i, 0)
+        lax.dynamic_update_index_in_dim(b, _row_of(b, r.astype(b.dtype)), i, 0)
         for b, r in zip(buffers, rows, strict=True)
     ]
+
+
+def _row_of(buffer: Array, row: Array) -> Array:
+    """`row` sharded as one row of `buffer`, where `buffer`'s type names Explicit mesh axes (JAX
+    updates a slice only with a value of the same sharding). A layer's gradient usually is
+    already; on a mesh mixing Explicit and Auto axes it comes back from the layer's VJP without
+    the stack's sharding."""
+    spec = explicit_spec(buffer)
+    if spec is None:
+        return row
+    sharding = cast(NamedSharding, explicit_type_sharding(buffer))
+    return jax.sharding.reshard(row, sharding.update(spec=PartitionSpec(*spec[1:])))
 
 
 def zeros_alike(x: Array) -> Array:

@@ -23,10 +23,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import PartitionSpec
 from jaxtyping import Array
 
 from .. import lora  # the module, not its names: see the note on annotations above
 from .._core import tree_bytes
+from .._core.sharding import explicit_type_sharding, mesh_axis_size
 from ..quant._linear import quantize_linears
 from ._config import MistralConfig
 from ._data import batches
@@ -86,6 +88,26 @@ def make_lora_step(
     return jax.jit(step, donate_argnums=(1, 2))
 
 
+def _micro_batches(input_ids: Array, grad_accum: int) -> Array:
+    """`input_ids` `[batch, seq]` as `[grad_accum, batch // grad_accum, seq]`, consecutive rows.
+
+    With Explicit mesh axes JAX cannot reshape a sharded batch axis into two (its devices
+    would have to split between the axes), so the ids (a few KiB of integers) are gathered
+    first, then each micro-batch is sharded as the batch was where its rows divide evenly
+    over those devices (replicated where not). With Auto axes XLA places them.
+    """
+    batch = input_ids.shape[0]
+    shape = (grad_accum, batch // grad_accum, *input_ids.shape[1:])
+    sharding = explicit_type_sharding(input_ids)
+    if sharding is None:
+        return input_ids.reshape(shape)
+    spec = tuple(sharding.spec) + (None,) * (input_ids.ndim - len(sharding.spec))
+    whole = jax.sharding.reshard(input_ids, sharding.update(spec=PartitionSpec()))
+    micro = whole.reshape(shape)
+    rows = spec[0] if (batch // grad_accum) % mesh_axis_size(sharding.mesh, spec[0]) == 0 else None
+    return jax.sharding.reshard(micro, sharding.update(spec=PartitionSpec(None, rows, *spec[1:])))
+
+
 def _accumulated(
     loss_of: Any, adapters: Mistral, input_ids: Array, key: Any, grad_accum: int
 ) -> tuple[Array, Mistral]:
@@ -97,7 +119,7 @@ def _accumulated(
             f"`input_ids` has {batch} rows, which `grad_accum`={grad_accum} micro-batches "
             "cannot share equally: the batch must be a multiple of `grad_accum`."
         )
-    micro = input_ids.reshape(grad_accum, batch // grad_accum, *input_ids.shape[1:])
+    micro = _micro_batches(input_ids, grad_accum)
 
     def body(carry: Any, xs: Any) -> tuple[Any, None]:
         loss_sum, grad_sum = carry

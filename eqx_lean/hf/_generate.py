@@ -8,6 +8,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ._model import KVCache, Mistral
@@ -100,6 +101,15 @@ def _cache_size(cache_size: Any, model: Mistral, prompt_length: int, max_new_tok
     return int(cache_size)
 
 
+def _cache_sharding(prompt_ids: Array) -> NamedSharding | None:
+    """The cache's keys and values sharded as the prompt's batch is (`None`: an unsharded one)."""
+    sharding = getattr(prompt_ids, "sharding", None)
+    if not isinstance(sharding, NamedSharding):
+        return None
+    batch_axes = sharding.spec[0] if len(sharding.spec) else None
+    return sharding.update(spec=PartitionSpec(None, batch_axes))
+
+
 def generate(
     model: Mistral,
     prompt_ids: Int[Array, "batch prompt"],
@@ -149,7 +159,9 @@ def generate(
         raise ValueError("`key` must be given when `temperature > 0` (sampling is random).")
     batch, prompt_length = prompt_ids.shape
     size = _cache_size(cache_size, model, prompt_length, max_new_tokens)
-    cache = KVCache.empty(model.config, batch, size, model.dtype)
+    cache = KVCache.empty(
+        model.config, batch, size, model.dtype, out_sharding=_cache_sharding(prompt_ids)
+    )
     params, static = eqx.partition(model, eqx.is_array)
     step = functools.partial(decode_step, static=static, temperature=temperature, top_k=top_k)
 

@@ -15,10 +15,12 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 import eqx_lean
 
+from .._core.sharding import explicit_type_sharding, like_last_axis, resharded_like
 from .._product import linear_product
 from ._config import MistralConfig
 from ._rope import (
@@ -37,9 +39,31 @@ def _project(
         # `eqx.nn.Linear` maps one vector; an einsum maps any leading axes, like torch's Linear.
         out = linear_product(x, linear.weight)
         if linear.bias is not None:
-            out = out + linear.bias.astype(out.dtype).reshape((1,) * (out.ndim - 1) + (-1,))
+            bias = like_last_axis(linear.bias, out)
+            out = out + bias.astype(out.dtype).reshape((1,) * (out.ndim - 1) + (-1,))
         return out
     return linear.project(x, key=key)
+
+
+def embed(
+    weight: Float[Array, "vocab hidden"], input_ids: Int[Array, "*batch"]
+) -> Float[Array, "*batch hidden"]:
+    """The rows of `weight` for `input_ids`, sharded as the ids are (the hidden axis whole).
+
+    With Explicit mesh axes JAX cannot choose where a lookup of sharded rows by sharded ids
+    lands, and asks for `out_sharding=`; with Auto axes, or none, XLA chooses, as for
+    `weight[input_ids]`.
+    """
+    ids_sharding = explicit_type_sharding(input_ids)
+    if ids_sharding is None:
+        return weight[input_ids]
+    spec = _padded_spec(ids_sharding.spec, input_ids.ndim) + (None,)
+    return weight.at[input_ids].get(out_sharding=ids_sharding.update(spec=PartitionSpec(*spec)))
+
+
+def _padded_spec(spec: PartitionSpec, ndim: int) -> tuple[Any, ...]:
+    """`spec`'s entries, one per dimension of an `ndim`-dimensional array."""
+    return tuple(spec) + (None,) * (ndim - len(spec))
 
 
 class RMSNorm(eqx.Module):
@@ -56,7 +80,9 @@ class RMSNorm(eqx.Module):
         x32 = x.astype(jnp.float32)
         normed = x32 * lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
         out_dtype = jnp.promote_types(self.weight.dtype, x.dtype)
-        weight = self.weight.astype(out_dtype).reshape((1,) * (x.ndim - 1) + (-1,))
+        weight = (
+            like_last_axis(self.weight, x).astype(out_dtype).reshape((1,) * (x.ndim - 1) + (-1,))
+        )
         return weight * normed.astype(x.dtype).astype(out_dtype)
 
 
@@ -111,6 +137,10 @@ class Attention(eqx.Module):
         keys, values, key_positions = k, v, positions
         if past is not None:
             assert past_positions is not None
+            # A cache placed otherwise than the batch (an unsharded cache, a sharded prompt)
+            # follows the new keys: with Explicit mesh axes JAX concatenates only arrays of one
+            # sharding.
+            past = (resharded_like(past[0], k), resharded_like(past[1], v))
             keys = jnp.concatenate([past[0], k], axis=1)
             values = jnp.concatenate([past[1], v], axis=1)
             key_positions = jnp.concatenate([past_positions, positions])
@@ -189,8 +219,33 @@ class KVCache(eqx.Module):
     next_position: Int[Array, ""]
 
     @classmethod
-    def empty(cls, config: MistralConfig, batch_size: int, size: int, dtype: Any) -> "KVCache":
-        """An empty cache of `size` slots per layer and sequence."""
+    def empty(
+        cls,
+        config: MistralConfig,
+        batch_size: int,
+        size: int,
+        dtype: Any,
+        *,
+        out_sharding: NamedSharding | None = None,
+    ) -> "KVCache":
+        """An empty cache of `size` slots per layer and sequence.
+
+        **Arguments:**
+
+        - `config`: the model's config (its layers, key/value heads and head size).
+        - `batch_size`: the sequences the cache holds.
+        - `size`: the slots per layer and sequence.
+        - `dtype`: the keys' and values' dtype (the model's).
+        - `out_sharding`: as for `jnp.zeros`: where the keys and values
+            (`[layers, batch, size, kv_heads, head_dim]`) are placed, such as
+            `NamedSharding(mesh, P(None, "data"))` for a batch sharded over "data" (what
+            [`generate`][eqx_lean.hf.generate] gives a sharded prompt); the slot positions
+            are then replicated on its mesh. `None` places the cache as `jnp.zeros` does.
+
+        **Returns:**
+
+        The empty [`KVCache`][].
+        """
         if size < 1:
             raise ValueError(f"`size` must be a positive integer; got {size}.")
         shape = (
@@ -200,11 +255,12 @@ class KVCache(eqx.Module):
             config.num_key_value_heads,
             config.resolved_head_dim,
         )
+        replicated = None if out_sharding is None else out_sharding.update(spec=PartitionSpec())
         return cls(
-            keys=jnp.zeros(shape, dtype),
-            values=jnp.zeros(shape, dtype),
-            slot_positions=jnp.full((size,), -1, jnp.int32),
-            next_position=jnp.zeros((), jnp.int32),
+            keys=jnp.zeros(shape, dtype, device=out_sharding),
+            values=jnp.zeros(shape, dtype, device=out_sharding),
+            slot_positions=jnp.full((size,), -1, jnp.int32, device=replicated),
+            next_position=jnp.zeros((), jnp.int32, device=replicated),
         )
 
     @property
@@ -216,9 +272,15 @@ class KVCache(eqx.Module):
         keep = min(positions.shape[0], self.size)  # older entries would be overwritten anyway
         positions = positions[-keep:]
         slots = positions % self.size
+        # With Explicit mesh axes JAX asks where a scatter into a sharded batch lands: where
+        # the cache already is.
         return KVCache(
-            keys=self.keys.at[:, :, slots].set(new_keys[:, :, -keep:]),
-            values=self.values.at[:, :, slots].set(new_values[:, :, -keep:]),
+            keys=self.keys.at[:, :, slots].set(
+                new_keys[:, :, -keep:], out_sharding=explicit_type_sharding(self.keys)
+            ),
+            values=self.values.at[:, :, slots].set(
+                new_values[:, :, -keep:], out_sharding=explicit_type_sharding(self.values)
+            ),
             slot_positions=self.slot_positions.at[slots].set(positions),
             next_position=positions[-1] + 1,
         )
@@ -257,7 +319,7 @@ class Mistral(eqx.Module):
     ) -> tuple[Float[Array, "batch seq vocab"], KV | None]:
         if input_ids.ndim != 2:
             raise ValueError(f"`input_ids` must have shape [batch, seq]; got {input_ids.shape}.")
-        x = self.embed_tokens.weight[input_ids]
+        x = embed(self.embed_tokens.weight, input_ids)
         config = self.config
         rotary = rotary_cos_sin(
             positions, config.resolved_head_dim, config.rope_theta, x.dtype, config.rope_scaling

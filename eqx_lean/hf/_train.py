@@ -24,7 +24,11 @@ def next_token_loss(
     logits = model(input_ids, remat=remat, key=key)[:, :-1].astype(jnp.float32)
     targets = input_ids[:, 1:]
     log_probs = jax.nn.log_softmax(logits, axis=-1)
-    picked = jnp.take_along_axis(log_probs, targets[..., None], axis=-1)
+    # The target's log-probability as a masked sum over the vocabulary (one nonzero term: the
+    # value `take_along_axis` would pick, exactly). Unlike a gather, it needs no output
+    # sharding where the vocabulary is sharded over Explicit mesh axes.
+    vocab = jnp.arange(log_probs.shape[-1], dtype=targets.dtype).reshape(1, 1, -1)
+    picked = jnp.sum(jnp.where(vocab == targets[..., None], log_probs, 0.0), axis=-1)
     return -jnp.mean(picked)
 
 

@@ -27,6 +27,7 @@ from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 import eqx_lean
 
 from .._product import linear_product
+from ..quant._array import QuantizedArray
 from ..quant._linear import QuantizedLinear
 from ._select import LoraConfig, dotted, matches, unmatched_entries
 
@@ -243,7 +244,22 @@ def select(
 def adapter_shardings(weight: Any) -> tuple[Any, Any, Any]:
     """`A`'s and `B`'s per-layer shardings for a base `weight` (its input dim for `A`, its
     output dim for `B`, the rank replicated), and the mesh axis of the base's layer axis;
-    `None`s when the base is not a concrete `NamedSharding`-sharded array."""
+    `None`s when the base is not a concrete `NamedSharding`-sharded array.
+
+    A quantised base's codes pack its two dimensions into one, so its adapters are replicated
+    over the mesh the codes lie on (they are small): left unplaced beside a sharded base, their
+    products would mix arrays on no mesh with arrays on one, which JAX cannot differentiate
+    on Explicit mesh axes.
+    """
+    if isinstance(weight, QuantizedArray):
+        codes = weight.codes
+        if not isinstance(codes, jax.Array) or isinstance(codes, Tracer):
+            return None, None, None
+        if not isinstance(codes.sharding, NamedSharding):
+            return None, None, None
+        replicated = NamedSharding(codes.sharding.mesh, PartitionSpec())
+        layer = tuple(codes.sharding.spec)[:1] if codes.ndim > 1 else ()
+        return replicated, replicated, layer[0] if layer else None
     if not isinstance(weight, jax.Array) or isinstance(weight, Tracer):
         return None, None, None
     sharding = weight.sharding

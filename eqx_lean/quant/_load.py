@@ -18,8 +18,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import NamedSharding
 
-from .._core.sharding import has_explicit_axes
+from .._core.sharding import explicit_part, has_explicit_axes
 from .._io.safetensors import Maps
 from .._io.snapshot import Checkpoint
 from ._array import DoubleQuantizedScales, QuantizedArray, _bits, double_quantize
@@ -37,8 +38,11 @@ _CHUNK_VALUES = 4 * 2**20
 
 def _write(buffer: jax.Array, value: jax.Array, layer: jax.Array, start: jax.Array) -> jax.Array:
     """`buffer` (donated) with `value` written at `[layer, start, 0...]`."""
-    sharding = buffer.sharding if has_explicit_axes(buffer.sharding) else None
-    return _writer(sharding)(buffer, value, layer, start)
+    sharding = buffer.sharding
+    if not isinstance(sharding, NamedSharding) or not has_explicit_axes(sharding):
+        return _writer(None)(buffer, value, layer, start)
+    # On a mesh mixing Explicit and Auto axes, the type names only the Explicit ones.
+    return _writer(explicit_part(sharding))(buffer, value, layer, start)
 
 
 @functools.cache  # one program per explicit sharding: the sharding determines the program

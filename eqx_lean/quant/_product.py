@@ -30,7 +30,7 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array, Float
 
-from .._product import _accumulated_product, linear_product
+from .._product import _accumulated_product, linear_product, product_sharding
 from ._array import QuantizedArray
 from ._int8 import int8_decode
 from ._nf4 import nf4_decode
@@ -118,7 +118,13 @@ def _product_bwd(residuals: tuple[Array, QuantizedArray], dy: Array) -> tuple[Ar
     # product (see the module's docstring). Both operands in `dy`'s dtype, accumulated in
     # float32, as `linear_product`'s own backward pass.
     w, weight = residuals
-    dx = jnp.einsum("...o,oi->...i", dy, w, preferred_element_type=jnp.float32)
+    dx = jnp.einsum(
+        "...o,oi->...i",
+        dy,
+        w,
+        preferred_element_type=jnp.float32,
+        out_sharding=product_sharding(dy, w, output_axis=1),
+    )
     no_gradient = jax.tree.map(lambda leaf: np.zeros(leaf.shape, jax.dtypes.float0), weight)
     return dx.astype(dy.dtype), no_gradient
 
