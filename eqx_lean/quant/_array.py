@@ -11,11 +11,22 @@ from jaxtyping import Array, Float
 from ._dynamic8 import dynamic8_decode, dynamic8_encode
 from ._int8 import int8_decode, int8_encode
 from ._nf4 import nf4_decode, nf4_encode, num_blocks
-from ._ops import batched, divide_exactly, halving_sum, one_by_one, widen_exactly
+from ._ops import (
+    batched,
+    divide_exactly,
+    down_exactly,
+    halving_sum,
+    largest_magnitude,
+    one_by_one,
+    subtract_exactly,
+    up_exactly,
+    widen_exactly,
+)
 
 
 Scheme = Literal["nf4", "int8"]
 _SCHEMES = ("nf4", "int8")
+_TWO_24 = np.float32(2.0**24).view(np.uint32)
 
 
 def _bits(x: Array) -> Array:
@@ -59,7 +70,8 @@ class DoubleQuantizedScales(eqx.Module):
         return self.codes.nbytes + self.absmax_bits.nbytes + self.offset_bits.nbytes
 
     def decode(self) -> Float[Array, "*batch blocks"]:
-        """The float32 scales: `map[code] * absmax + offset`, as bitsandbytes decodes them."""
+        """The float32 scales: `map[code] * absmax + offset`, as bitsandbytes decodes them (a
+        product or sum below 2^-126 flushed to zero where the platform flushes: XLA:CPU)."""
         blocksize = self.blocksize
 
         def decode_one(codes: Array, absmax: Array, offset: Array) -> Array:
@@ -76,10 +88,16 @@ def double_quantize(
     """`scales` (each tensor's NF4 block scales, on the last axis) double-quantised."""
 
     def encode_one(values: Array) -> tuple[Array, Array, Array]:
+        # Scales all below 2^24 are summed 2^64 times larger, so that subnormal ones count
+        # (XLA:CPU reads them as zero), and their mean rounded back, subnormal or not. Among
+        # larger ones, a subnormal cannot change the rounded sum.
+        small = lax.bitcast_convert_type(largest_magnitude(values), jnp.uint32) < _TWO_24
+        total = halving_sum(jnp.where(small, up_exactly(values), values))
+        mean = divide_exactly(total, values.shape[0])
         # One offset, used as computed: without the barrier XLA may fuse a second copy of the
         # mean into the subtraction, computed another way, and store one but subtract another.
-        offset = lax.optimization_barrier(divide_exactly(halving_sum(values), values.shape[0]))
-        codes, absmax = dynamic8_encode(values - offset, blocksize)
+        offset = lax.optimization_barrier(jnp.where(small, down_exactly(mean), mean))
+        codes, absmax = dynamic8_encode(subtract_exactly(values, offset), blocksize)
         return codes, _bits(absmax), _bits(offset)
 
     codes, absmax_bits, offset_bits = one_by_one(encode_one, scales, scales.ndim - 1)
@@ -220,6 +238,14 @@ def quantize(
     blocksize=...)` (its CPU backend). int8 stores `round(x / scale)` with one symmetric scale
     per output channel (the first axis after the batch axes).
 
+    Both hold over the whole float32 range, subnormals included (computed as IEEE float32
+    computes them, where XLA:CPU would flush them to zero). Non-finite values are quantised as
+    bitsandbytes quantises them, not refused: an NF4 block holding a NaN decodes to NaN, and
+    one holding an infinity decodes to NaN but for its infinities, which decode to `+inf`
+    whatever their sign. Decoding is plain float32 arithmetic: a decoded value below 2^-126
+    (in an NF4 block whose scale is below about 2^-122) is zero on XLA:CPU, which flushes it.
+    The details are in `eqx_lean.quant._nf4` and `eqx_lean.quant._int8`.
+
     **Arguments:**
 
     - `x`: the array, of a floating dtype.
@@ -229,7 +255,10 @@ def quantize(
         `bnb_4bit_use_double_quant`), in 8-bit codes of blocks of 256; the codes equal
         bitsandbytes' `quantize_blockwise` of the same `scales - offset`. The offset, the mean
         of a tensor's scales, is a float32 sum whose order differs from torch's: it may differ
-        from bitsandbytes' in the last bits.
+        from bitsandbytes' in the last bits (or overflow where torch's does not: a tensor whose
+        scales sum beyond float32's largest value has an infinite offset, and every scale
+        decodes to NaN, as in bitsandbytes). Decoded on XLA:CPU, a scale below about 2^-100
+        may be off by less than 2^-126 (a flushed subnormal product or sum).
     - `batch_dims`: leading axes along which each tensor is quantised on its own (1 for a
         stack of layers).
     - `name`: what error messages call it (a module path).

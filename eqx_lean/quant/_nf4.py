@@ -1,22 +1,41 @@
 """NF4: 4-bit NormalFloat codes in blocks of a float32 scale each, bit for bit bitsandbytes'.
 
 The format is bitsandbytes' `quantize_4bit(quant_type="nf4")` as its CPU backend computes it
-(0.50.2), which `tests/test_quant.py` checks against:
+(0.50.2), which `tests/test_quant.py` and `tests/test_quant_extremes.py` check against:
 
 - the tensor is flattened (row-major) and cut into blocks of `blocksize` values; each block's
-  scale is its largest magnitude, in float32;
-- each value is scaled into [-1, 1] by `x * (1 / absmax)` in a full block and by `x / absmax`
-  in a last partial block (two roundings against one: they differ in the last bit), with
-  `absmax` clamped to at least 1e-38 there, and clipped to [-1, 1];
+  scale is its largest magnitude, in float32 (NaN if the block holds a NaN);
+- each value is scaled into [-1, 1] by `x * (1 / max(absmax, 1e-38))` in a full block and by
+  `x / max(absmax, 1e-38)` in a last partial block (two roundings against one: they differ in
+  the last bit), and clipped to [-1, 1]; a full block stores its `absmax`, the partial block
+  the clamped one;
 - its code is the index of the NF4 bin it falls in, the bins cut at the float32 midpoints of
   the sorted table; a value on a midpoint takes the lower code (a nearest-code `argmin` breaks
-  such ties, and rounds differently near them);
+  such ties, and rounds differently near them); a NaN takes code 15;
 - two codes per byte, the first of each pair in the high nibble; an odd count is padded with
   the code of zero.
 
+All of it is IEEE float32 arithmetic with subnormals, as torch computes it, across the whole
+float32 range: XLA:CPU flushes subnormals to zero, so the reciprocal of a scale above 2^126
+(a subnormal) and the values of a block below 2^-126 are computed from their bits
+(`eqx_lean.quant._ops.scale_rows`); a plain product would quantise such blocks to zeros.
+
+Non-finite values follow bitsandbytes' rule, which is matched rather than refused (a check
+would need the values on the host, and quantising also runs inside compiled programs, such as
+a quantising load): a block holding a NaN has a NaN scale and all codes 15, and decodes to
+NaN; a block holding an infinity (and no NaN) has an infinite scale, its finite values scale
+to 0 (code 7: decoded, `0 * inf` is NaN) and its infinities to NaN (code 15: decoded, `+inf`,
+whatever their sign).
+
 Decoding is `table[code] * absmax` in float32, then rounded to nearest-even in the output
-dtype. One difference stays: a block whose largest magnitude is a float32 subnormal (below
-1.2e-38) is a zero block here, as XLA:CPU flushes subnormals, where bitsandbytes scales it.
+dtype. Two differences stay, both in what decoding gives, never in the codes and scales:
+
+- a decoded value below 2^-126 (a float32 subnormal: only in blocks whose scale is below
+  about 2^-122) is flushed to zero where the platform flushes (XLA:CPU), where bitsandbytes
+  keeps it. Decoding runs in every quantised product, so it stays one plain product a value.
+- bitsandbytes' bfloat16 CPU kernel rounds the NaN scale of a partial block (all bits set)
+  with an integer add that wraps around, and decodes that block to +0 in bfloat16 (NaN in
+  float32); here it decodes to NaN in every dtype.
 """
 
 import jax.numpy as jnp
@@ -24,10 +43,12 @@ import numpy as np
 from jaxtyping import Array, Float, UInt8
 
 from ._codebooks import NF4
-from ._ops import divide_exactly
+from ._ops import at_least, largest_magnitude, scale_rows
 
 
 _NF4_BOUNDS = ((NF4[:-1] + NF4[1:]) / np.float32(2)).astype(np.float32)
+# bitsandbytes' clamp of a block's largest magnitude before it scales by it: a subnormal.
+_LEAST_SCALE = np.float32(1e-38)
 
 
 def num_blocks(size: int, blocksize: int) -> int:
@@ -43,27 +64,27 @@ def nf4_encode(
     size = flat.shape[0]
     full = size - size % blocksize
     scaled, scales = [], []
-    # bitsandbytes clamps a zero absmax to 1e-38 before scaling: a subnormal, which XLA:CPU
-    # flushes to zero (1 / 0, then 0 * inf = NaN). A zero block scales to zeros directly; the
-    # clamped scale a partial block stores is selected, not computed, so it keeps its bits.
+    # IEEE float32 with subnormals throughout (`scale_rows`): XLA:CPU would flush the
+    # reciprocal of a scale above 2^126, and values below 2^-126, to zero. A zero scale needs
+    # no case of its own: its block scales by the clamped 1e-38 to zeros, as bitsandbytes'.
     if full:
         blocks = flat[:full].reshape(-1, blocksize)
-        absmax = jnp.max(jnp.abs(blocks), axis=1)
-        inverse = jnp.where(absmax > 0, 1.0 / absmax, np.float32(0))
-        scaled.append(jnp.clip(blocks * inverse[:, None], -1.0, 1.0).reshape(-1))
+        absmax = largest_magnitude(blocks)  # stored unclamped, as bitsandbytes stores it
+        values = scale_rows(blocks, at_least(absmax, _LEAST_SCALE), reciprocal=True)
+        scaled.append(jnp.clip(values, -1.0, 1.0).reshape(-1))
         scales.append(absmax)
     if full < size:
-        rest = flat[full:]
-        absmax = jnp.max(jnp.abs(rest))
-        positive = absmax > 0
-        divided = divide_exactly(rest, jnp.where(positive, absmax, np.float32(1)))
-        scaled.append(jnp.clip(jnp.where(positive, divided, np.float32(0)), -1.0, 1.0))
-        scales.append(jnp.where(positive, absmax, np.float32(1e-38))[None])
+        rest = flat[None, full:]
+        absmax = at_least(largest_magnitude(rest), _LEAST_SCALE)  # stored clamped
+        values = scale_rows(rest, absmax, reciprocal=False)
+        scaled.append(jnp.clip(values, -1.0, 1.0).reshape(-1))
+        scales.append(absmax)
     values = jnp.concatenate(scaled)
     if size % 2:
         values = jnp.pad(values, (0, 1))
-    # The number of midpoints strictly below a value: its bin, ties to the lower code. A
-    # search, not a 16-way comparison over the whole tensor.
+    # The number of midpoints strictly below a value: its bin, ties to the lower code; a NaN
+    # (in a block with a NaN or an infinity) is above them all: code 15, as in bitsandbytes.
+    # A search, not a 16-way comparison over the whole tensor.
     codes = jnp.searchsorted(jnp.asarray(_NF4_BOUNDS), values, side="left").astype(jnp.uint8)
     packed = (codes[0::2] << 4) | codes[1::2]
     return packed, jnp.concatenate(scales)
