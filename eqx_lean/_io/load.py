@@ -305,9 +305,13 @@ def load_tensors(
     checkpoint loads in one call:
 
     ```python
-    HF = {".embed.weight": "model.embed_tokens.weight", ".norm.weight": "model.norm.weight",
-          ".head.weight": "lm_head.weight", ".blocks.attn.q.weight":
-          "model.layers.{i}.self_attn.q_proj.weight", ...}
+    HF = {
+        ".embed.weight": "model.embed_tokens.weight",
+        ".blocks.attn.q.weight": "model.layers.{i}.self_attn.q_proj.weight",
+        # ... one entry per array leaf of the model
+        ".norm.weight": "model.norm.weight",
+        ".head.weight": "lm_head.weight",
+    }
     like = eqx.filter_eval_shape(Mistral, config, key=jax.random.key(0))
     model = eqx_lean.load_tensors(
         "Mistral-7B-v0.1/", like, lambda path, _: HF[jax.tree_util.keystr(path)],

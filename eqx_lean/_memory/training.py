@@ -138,9 +138,18 @@ def plan_train_step(
 
     ```python
     h100s = eqx_lean.memory.target("8xh100")
-    model = eqx.filter_eval_shape(make_model)  # with shardings on h100s.mesh((8,), ("fsdp",))
-    plan = eqx_lean.memory.plan_train_step(loss, model, optax.adamw(1e-4), tokens,
-                                           target=h100s, trainable=lora_filter(model))
+    mesh = h100s.mesh((8,), ("fsdp",))
+
+    def on_mesh(s):  # eval_shape gives shardings on an abstract mesh, or none: use `mesh`
+        if not isinstance(s, jax.ShapeDtypeStruct):
+            return s
+        if s.sharding is None:  # such as LoRA adapters added under eval_shape: replicated
+            return s.update(sharding=jax.NamedSharding(mesh, jax.P()))
+        return s.update(sharding=s.sharding.update(mesh=mesh))
+
+    model = jax.tree.map(on_mesh, eqx.filter_eval_shape(make_model))  # base sharded on `mesh`
+    plan = eqx_lean.memory.plan_train_step(loss, model, optax.adamw(1e-4), tokens, target=h100s,
+                                           trainable=eqx_lean.lora.lora_filter(model))
     ```
 
     The step is `jax.value_and_grad` of `loss_fn(model, *batch)` with respect to the trainable
