@@ -1,8 +1,11 @@
 """`QuantizedArray`: a frozen weight held as codes and scales, and `quantize` to make one."""
 
+import functools
+import math
 from typing import Any, Literal
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -279,15 +282,11 @@ def quantize(
         )
     shape = tuple(x.shape[batch_dims:])
     source_dtype = np.dtype(x.dtype)
-    x = widen_exactly(x)  # see its docstring: the values as stored, in float32
     if scheme == "nf4":
         if not isinstance(blocksize, int) or blocksize < 1:
             raise ValueError(f"blocksize must be a positive integer, got {blocksize!r}.")
         if not shape or 0 in shape:
             raise ValueError(f"nf4 needs tensors with values; x's tensors have shape {shape}.")
-        codes, scales = one_by_one(lambda t: nf4_encode(t, blocksize), x, batch_dims)
-        assert scales.shape[-1] == num_blocks(int(np.prod(shape)), blocksize)
-        stored = double_quantize(scales) if double_quant else _bits(scales)
     else:
         if double_quant:
             raise ValueError("double_quant applies to nf4 only; int8 has one scale per row.")
@@ -296,9 +295,25 @@ def quantize(
                 "int8 needs tensors of at least one axis (the output channels) after the "
                 f"batch axes; x has shape {x.shape} with batch_dims={batch_dims}."
             )
-        codes, scales = one_by_one(int8_encode, x, batch_dims)
-        stored, blocksize = _bits(scales), 0
+        blocksize = 0
+    codes, stored = _encoded(x, scheme, blocksize, bool(double_quant), batch_dims)
     return QuantizedArray(codes, stored, shape, scheme, blocksize, source_dtype, name)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
+def _encoded(
+    x: Array, scheme: str, blocksize: int, double_quant: bool, batch_dims: int
+) -> tuple[Array, Any]:
+    """The codes and stored scales of `x`'s tensors, as one compiled program: the encoders'
+    exact float32 arithmetic is many small operations, each its own compiled program when run
+    eagerly (a fresh `quantize` call compiled about a hundred)."""
+    x = widen_exactly(x)  # see its docstring: the values as stored, in float32
+    if scheme == "nf4":
+        codes, scales = one_by_one(lambda t: nf4_encode(t, blocksize), x, batch_dims)
+        assert scales.shape[-1] == num_blocks(math.prod(x.shape[batch_dims:]), blocksize)
+        return codes, double_quantize(scales) if double_quant else _bits(scales)
+    codes, scales = one_by_one(int8_encode, x, batch_dims)
+    return codes, _bits(scales)
 
 
 def is_quantized(x: Any) -> bool:
