@@ -19,6 +19,9 @@ Decoding is `map[code] * absmax` in float32, as bitsandbytes' `dequantize_blockw
 below 2^-126 is flushed to zero where the platform flushes, as XLA:CPU does).
 """
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, UInt8
@@ -41,6 +44,7 @@ def _bin_codes() -> np.ndarray:
 _BIN_CODES = _bin_codes()
 
 
+@functools.partial(jax.jit, static_argnames=("blocksize",))
 def dynamic8_encode(
     x: Float[Array, " size"], blocksize: int
 ) -> tuple[UInt8[Array, " size"], Float[Array, " blocks"]]:
@@ -59,6 +63,7 @@ def dynamic8_encode(
     return codes.reshape(-1)[:size], absmax
 
 
+@functools.partial(jax.jit, static_argnames=("blocksize",))
 def dynamic8_decode(
     codes: UInt8[Array, " size"], absmax: Float[Array, " blocks"], blocksize: int
 ) -> Float[Array, " size"]:

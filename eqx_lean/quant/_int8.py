@@ -12,6 +12,9 @@ they stand for. A value below 2^-126 that a product gives is still flushed to ze
 platform flushes (XLA:CPU).
 """
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -20,6 +23,7 @@ from jaxtyping import Array, Float, Int8
 from ._ops import largest_magnitude, multiply_exactly, scale_rows, up_exactly
 
 
+@jax.jit
 def int8_encode(
     x: Float[Array, " out *rest"],
 ) -> tuple[Int8[Array, " out *rest"], Float[Array, " out"]]:
@@ -35,6 +39,7 @@ def int8_encode(
     return codes.reshape(x.shape), scales
 
 
+@functools.partial(jax.jit, static_argnames=("dtype",))
 def int8_decode(
     codes: Int8[Array, " out *rest"], scales: Float[Array, " out"], dtype: jnp.dtype
 ) -> Array:

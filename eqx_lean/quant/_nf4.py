@@ -38,6 +38,9 @@ dtype. Two differences stay, both in what decoding gives, never in the codes and
   float32); here it decodes to NaN in every dtype.
 """
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, UInt8
@@ -56,6 +59,7 @@ def num_blocks(size: int, blocksize: int) -> int:
     return -(-size // blocksize)
 
 
+@functools.partial(jax.jit, static_argnames=("blocksize",))
 def nf4_encode(
     x: Float[Array, "..."], blocksize: int
 ) -> tuple[UInt8[Array, " bytes"], Float[Array, " blocks"]]:
@@ -90,6 +94,7 @@ def nf4_encode(
     return packed, jnp.concatenate(scales)
 
 
+@functools.partial(jax.jit, static_argnames=("shape", "blocksize", "dtype"))
 def nf4_decode(
     packed: UInt8[Array, " bytes"],
     absmax: Float[Array, " blocks"],
