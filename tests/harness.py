@@ -39,6 +39,49 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 
+# Programs that compile faster than this are not written to the test session's compilation
+# cache. Measured over the default tier (2026-11-28, 2 cores): writing every program (0 s) made
+# the tier's tests 30 % slower than no cache at all (serialising, compressing and locking some
+# 5,000 small programs costs more than compiling them); from 0.5 s, the writes of a build and
+# the decoder's steps are found again by later files and processes, 8 % faster than no cache.
+# JAX's default, 1 s, would leave out most builds' writes (0.3-0.7 s each).
+CACHED_COMPILE_SECONDS = 0.5
+
+
+def compilation_cache_variables(directory: str, min_compile_seconds: float) -> dict[str, str]:
+    """The environment that gives a process JAX's persistent compilation cache in `directory`,
+    as the test session has it (`conftest.py` sets these for the session: every process a
+    test starts inherits them): programs that took `min_compile_seconds` or more to compile
+    are written, and the cache's locking mode (a size limit) makes every read and write of an
+    entry one step for the other processes (JAX 0.10.2 writes an entry in place)."""
+    return {
+        "JAX_COMPILATION_CACHE_DIR": directory,
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": str(min_compile_seconds),
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+        "JAX_COMPILATION_CACHE_MAX_SIZE": str(64 * 2**30),
+    }
+
+
+COMPILATION_CACHE_VARIABLES = tuple(compilation_cache_variables("", 0))
+# The tests whose processes must compile as a first run does, so they start them without the
+# session's compilation cache: fresh-process memory figures (compiling is part of what they
+# measure) and the compilation cache's own tests. This is the one list; `conftest.py` applies
+# it (and the documentation's memory blocks, marked `own process`, run without the cache too).
+FRESH_COMPILES = (
+    "tests/test_memory.py",
+    "tests/test_bench.py",
+    "tests/test_build.py::test_peak_memory_in_a_fresh_process",
+    "tests/test_io_load.py::test_load_overhead_is_independent_of_the_largest_tensor",
+    "tests/test_compilation_cache.py",
+    "tests/test_compilation_cache_directory.py",
+)
+
+
+def without_compilation_cache(env: dict[str, str]) -> dict[str, str]:
+    """`env` without the session's compilation cache (see `FRESH_COMPILES`)."""
+    return {k: v for k, v in env.items() if k not in COMPILATION_CACHE_VARIABLES}
+
+
 def subprocess_env(devices: int | None = None, **overrides: str) -> dict[str, str]:
     """The environment of a Python process a test starts: this process's, with this checkout
     first on `PYTHONPATH` (the child imports the `eqx_lean` under test, whatever is installed),
@@ -83,15 +126,22 @@ def free_port() -> int:
 
 
 class ProcessJob:
-    """Subprocesses started now (each with `subprocess_env(devices)`), whose results (printed
-    with `print_results`) are read when a test needs them."""
+    """Subprocesses started now (each with `env`, by default `subprocess_env(devices)`), whose
+    results (printed with `print_results`) are read when a test needs them."""
 
-    def __init__(self, commands: list[list[str]], devices: int, timeout: float):
+    def __init__(
+        self,
+        commands: list[list[str]],
+        devices: int,
+        timeout: float,
+        env: dict[str, str] | None = None,
+    ):
         self.deadline = time.monotonic() + timeout
         # Files, not pipes: a process blocked on a full pipe would stall its peer's collectives.
         self.logs = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in commands]
+        env = subprocess_env(devices) if env is None else env
         self.procs = [
-            subprocess.Popen(command, env=subprocess_env(devices), stdout=out, stderr=err)
+            subprocess.Popen(command, env=env, stdout=out, stderr=err)
             for command, (out, err) in zip(commands, self.logs, strict=True)
         ]
 
@@ -270,3 +320,10 @@ class GPTBlock(eqx.Module):
         # Equinox's layers take one position: `vmap` maps them over the sequence.
         x = x + self.attention(jax.vmap(self.attention_norm)(x))
         return x + jax.vmap(self.mlp)(jax.vmap(self.mlp_norm)(x))
+
+
+# The block sizes the test files share: a file that builds a small block takes one of these, so
+# that files compile the same programs (found in the session's compilation cache after the
+# first file that compiled them).
+TINY_BLOCK = GPTConfig(num_layers=3, dim=16, hidden=64, heads=2)
+SMALL_BLOCK = GPTConfig(num_layers=3, dim=32, hidden=128, heads=4)

@@ -15,7 +15,11 @@ import sys
 import tomllib
 
 import pytest
-from harness import subprocess_env
+from harness import subprocess_env, without_compilation_cache
+
+
+# The docs tier (`-m docs`): the README's test command runs it after the default tier.
+pytestmark = pytest.mark.docs
 
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -252,27 +256,15 @@ def _run_alone(block: CodeBlock, cwd: pathlib.Path, env: dict[str, str]) -> None
         pytest.fail(f"{_where(block)} failed:\n{(done.stdout + done.stderr)[-6000:]}")
 
 
-def compilation_cache_env(directory: pathlib.Path) -> dict[str, str]:
-    """The environment that gives a process JAX's persistent compilation cache in `directory`,
-    every program cached however quick its compilation (JAX's defaults skip most)."""
-    return {
-        "JAX_COMPILATION_CACHE_DIR": str(directory),
-        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
-    }
-
-
-def run_page(
-    page: str, workdir: pathlib.Path, devices: int, cache: dict[str, str] | None = None
-) -> list[str]:
+def run_page(page: str, workdir: pathlib.Path, devices: int) -> list[str]:
     """Runs every Python and shell block of `page` in order; returns the skipped ones' reasons.
 
-    `cache` (from `compilation_cache_env`) is added to the environment of every block but
-    those marked `own process`, which stay as a first run is: their memory figures would
-    otherwise miss what compiling costs."""
+    The blocks share the test session's compilation cache (`conftest.py`), but for those
+    marked `own process`, which stay as a first run is: their memory figures would otherwise
+    miss what compiling costs."""
     (workdir / "examples").symlink_to(ROOT / "examples")
-    env = _page_env(devices)
-    cached_env = {**env, **(cache or {})}
+    cached_env = _page_env(devices)
+    env = without_compilation_cache(cached_env)
     skipped, session = [], None
     try:
         for block in code_blocks(page):
@@ -306,22 +298,11 @@ PAGE_RUNS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def pages_compilation_cache(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """One persistent compilation cache for the page runs of this test process. The pages'
-    fresh interpreters compile the same tiny models again and again; sharing JAX's cache (keyed
-    on the program, its compile options, the devices and the versions) took a fifth off their
-    time. It is new for each test session, and a pytest-xdist worker's own."""
-    return compilation_cache_env(tmp_path_factory.mktemp("xla-cache"))
-
-
 @pytest.mark.parametrize("page, devices", PAGE_RUNS)
-def test_first_hour_page_runs_as_written(
-    page: str, devices: int, tmp_path: pathlib.Path, pages_compilation_cache: dict[str, str]
-):
+def test_first_hour_page_runs_as_written(page: str, devices: int, tmp_path: pathlib.Path):
     workdir = tmp_path / "work"
     workdir.mkdir()
-    skipped = run_page(page, workdir, devices, pages_compilation_cache)
+    skipped = run_page(page, workdir, devices)
     print("\n".join(["not run:", *skipped]))
 
 

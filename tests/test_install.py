@@ -22,6 +22,10 @@ import tomllib
 import pytest
 
 
+# The docs tier (`-m docs`): the README's test command runs it after the default tier.
+pytestmark = pytest.mark.docs
+
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # Run by the new environment's interpreter, from a directory outside the checkout: a tiny random
