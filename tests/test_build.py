@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from harness import GPTBlock, GPTConfig, assert_bitwise_equal
+from harness import SMALL_BLOCK, GPTBlock, GPTConfig, assert_bitwise_equal
 from jaxtyping import Array, PRNGKeyArray
 
 import eqx_lean
@@ -28,9 +28,6 @@ from eqx_lean.internal import (
 
 def make_mlp(key):
     return eqx.nn.MLP(8, 5, 16, 2, key=key)
-
-
-SMALL_BLOCK = GPTConfig(num_layers=3, dim=32, hidden=128, heads=4)
 
 
 def make_block(key):

@@ -12,7 +12,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import pytest
-from harness import GPTBlock, GPTConfig, assert_bitwise_equal
+from harness import TINY_BLOCK, GPTBlock, assert_bitwise_equal
 
 import eqx_lean
 from eqx_lean.internal import (
@@ -26,12 +26,11 @@ from eqx_lean.internal import (
 
 
 WORKER = Path(__file__).with_name("workers") / "private_jax_env.py"
-TINY = GPTConfig(num_layers=3, dim=16, hidden=64, heads=2)
 KEYS = jax.random.split(jax.random.key(3), 3)
 
 
 def make_block(key):
-    return GPTBlock(TINY, key=key)
+    return GPTBlock(TINY_BLOCK, key=key)
 
 
 def scaled_draw(scale):

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from harness import GPTBlock, GPTConfig, assert_bitwise_equal, bits, keys_of, mesh_of
+from harness import TINY_BLOCK, GPTBlock, assert_bitwise_equal, bits, keys_of, mesh_of
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 from jaxtyping import Array
 
@@ -31,9 +31,6 @@ from eqx_lean.internal import (
     trace_layer,
     value_key,
 )
-
-
-TINY = GPTConfig(num_layers=3, dim=16, hidden=64, heads=2)
 
 
 # --- stale state: every way Python state reaches the program --------------------------------
@@ -143,10 +140,10 @@ def test_a_large_captured_array_is_an_argument_and_updated_in_place_gives_new_va
 
 
 def test_a_fresh_function_of_the_same_content_compiles_nothing(compiles):
-    keys = keys_of(TINY.num_layers)
-    first = eqx_lean.build_stacked(lambda k: GPTBlock(TINY, key=k), keys, jnp.bfloat16)
+    keys = keys_of(TINY_BLOCK.num_layers)
+    first = eqx_lean.build_stacked(lambda k: GPTBlock(TINY_BLOCK, key=k), keys, jnp.bfloat16)
     before = compiles.count
-    second = eqx_lean.build_stacked(lambda k: GPTBlock(TINY, key=k), keys, jnp.bfloat16)
+    second = eqx_lean.build_stacked(lambda k: GPTBlock(TINY_BLOCK, key=k), keys, jnp.bfloat16)
     assert compiles.count == before
     assert_bitwise_equal(first, second)
 
@@ -181,10 +178,10 @@ def test_derivative_rules_are_left_out_of_the_key_and_the_forward_program_is_not
 
 
 def test_a_different_dtype_compiles_again(compiles):
-    keys = keys_of(TINY.num_layers)
-    eqx_lean.build_stacked(lambda k: GPTBlock(TINY, key=k), keys, jnp.bfloat16)
+    keys = keys_of(TINY_BLOCK.num_layers)
+    eqx_lean.build_stacked(lambda k: GPTBlock(TINY_BLOCK, key=k), keys, jnp.bfloat16)
     before = compiles.count
-    eqx_lean.build_stacked(lambda k: GPTBlock(TINY, key=k), keys, jnp.float16)
+    eqx_lean.build_stacked(lambda k: GPTBlock(TINY_BLOCK, key=k), keys, jnp.float16)
     assert compiles.count > before
 
 
@@ -300,13 +297,13 @@ def test_no_cache_keeps_the_function_alive():
 
 
 def test_clear_caches_forgets_the_writes(compiles):
-    keys = keys_of(TINY.num_layers)
-    eqx_lean.build_stacked(lambda k: GPTBlock(TINY, key=k), keys)
+    keys = keys_of(TINY_BLOCK.num_layers)
+    eqx_lean.build_stacked(lambda k: GPTBlock(TINY_BLOCK, key=k), keys)
     assert len(WRITES) > 0
     eqx_lean.clear_caches()
     assert len(WRITES) == 0
     before = compiles.count
-    eqx_lean.build_stacked(lambda k: GPTBlock(TINY, key=k), keys)
+    eqx_lean.build_stacked(lambda k: GPTBlock(TINY_BLOCK, key=k), keys)
     assert compiles.count > before
 
 
@@ -321,13 +318,15 @@ def test_the_cache_is_bounded_least_recently_used_first():
 
 
 def test_concurrent_builds_agree():
-    keys = keys_of(TINY.num_layers)
+    keys = keys_of(TINY_BLOCK.num_layers)
     results: list = [None] * 4
     errors: list = []
 
     def build(i):
         try:
-            results[i] = eqx_lean.build_stacked(lambda k: GPTBlock(TINY, key=k), keys, jnp.bfloat16)
+            results[i] = eqx_lean.build_stacked(
+                lambda k: GPTBlock(TINY_BLOCK, key=k), keys, jnp.bfloat16
+            )
         except Exception as e:  # pragma: no cover - reported below
             errors.append(e)
 

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from harness import (
+    SMALL_BLOCK,
     GPTBlock,
     GPTConfig,
     ProcessJob,
@@ -46,7 +47,6 @@ from eqx_lean.internal import (
 
 # --- layers under test ------------------------------------------------------------------------
 
-SMALL_BLOCK = GPTConfig(num_layers=3, dim=32, hidden=128, heads=4)
 # GPT-2 medium's layer (dim 1024, hidden 4096, 16 heads): 24 MiB in bfloat16, its largest leaves
 # 16 MiB each in float32, for the temp bounds of its sharded writes to bite.
 MEDIUM_BLOCK = GPTConfig(num_layers=4, dim=1024, hidden=4096, heads=16)
