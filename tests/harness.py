@@ -327,3 +327,27 @@ class GPTBlock(eqx.Module):
 # first file that compiled them).
 TINY_BLOCK = GPTConfig(num_layers=3, dim=16, hidden=64, heads=2)
 SMALL_BLOCK = GPTConfig(num_layers=3, dim=32, hidden=128, heads=4)
+
+
+# The decoder shapes the HF-layer test files share (`eqx_lean.hf.MistralConfig` fields; a file
+# adds or replaces fields with `dict(TINY_DECODER, ...)`): a tiny decoder every fsdp test can
+# split over 8 devices, and a smaller one, in float32, for the config and load checks.
+TINY_DECODER: dict[str, Any] = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    sliding_window=None,
+)
+MICRO_DECODER: dict[str, Any] = dict(
+    vocab_size=32,
+    hidden_size=16,
+    intermediate_size=24,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    sliding_window=None,
+    dtype="float32",
+)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from harness import ProcessJob, free_port, print_results
+from harness import TINY_DECODER, ProcessJob, free_port, print_results
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 import eqx_lean
@@ -28,17 +28,13 @@ from eqx_lean import hf, lora
 # Qwen2's shape: q/k/v biases and a head tied to the embedding, so that a bias, a norm's weight
 # and the vocabulary rows are all split by `fsdp` beside a batch split over the same axis.
 CONFIG = hf.MistralConfig(
-    model_type="qwen2",
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    sliding_window=None,
-    attention_bias=True,
-    tie_word_embeddings=True,
-    dtype="float32",
+    **dict(
+        TINY_DECODER,
+        model_type="qwen2",
+        attention_bias=True,
+        tie_word_embeddings=True,
+        dtype="float32",
+    )
 )
 BATCH, SEQ, STEPS = 8, 16, 2
 TARGETS = ("q_proj", "v_proj", "down_proj")
@@ -46,7 +42,8 @@ E, A = AxisType.Explicit, AxisType.Auto
 
 
 def _ids() -> np.ndarray:
-    return np.asarray(jax.random.randint(jax.random.key(3), (BATCH, SEQ), 0, 256, jnp.int32))
+    shape, vocab = (BATCH, SEQ), CONFIG.vocab_size
+    return np.asarray(jax.random.randint(jax.random.key(3), shape, 0, vocab, jnp.int32))
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import safetensors.numpy
+from harness import MICRO_DECODER
 
 from eqx_lean.hf import (
     MistralConfig,
@@ -35,16 +36,7 @@ from eqx_lean.internal import inverse_frequencies
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-TINY: dict[str, Any] = dict(
-    vocab_size=32,
-    hidden_size=16,
-    intermediate_size=24,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    sliding_window=None,
-    dtype="float32",
-)
+TINY: dict[str, Any] = MICRO_DECODER
 # Every layer attends to everything; every layer has a window of 4; Qwen2's mix of both.
 KINDS: dict[str, dict[str, Any]] = {
     "full": {},

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from harness import TINY_DECODER
 
 import examples.mistral7b.train as train_module
 from eqx_lean.hf import (
@@ -27,15 +28,7 @@ from eqx_lean.internal import accumulated_product, linear_product
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-TINY: dict[str, Any] = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    sliding_window=None,
-)
+TINY: dict[str, Any] = TINY_DECODER
 CONFIGS: dict[str, dict[str, Any]] = {
     "gqa": dict(TINY, num_hidden_layers=3),
     "sliding_window": dict(TINY, sliding_window=5),

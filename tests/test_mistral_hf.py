@@ -12,20 +12,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import safetensors.numpy
+from harness import MICRO_DECODER
 
 from eqx_lean.hf import MistralConfig, abstract_model, init, load_hf, save_hf
 
 
-TINY: dict[str, Any] = dict(
-    vocab_size=32,
-    hidden_size=16,
-    intermediate_size=24,
-    num_hidden_layers=4,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    sliding_window=None,
-    dtype="float32",
-)
+TINY: dict[str, Any] = dict(MICRO_DECODER, num_hidden_layers=4)
 
 
 def checkpoint(path, **overrides):

@@ -13,6 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import pytest
+from harness import TINY_DECODER
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eqx_lean
@@ -32,15 +33,7 @@ needs_gpu_plugin = pytest.mark.skipif(
 )
 
 # Every weight's largest dimension is a multiple of 8, so fsdp over 8 devices splits it evenly.
-TINY: dict[str, Any] = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    sliding_window=None,
-)
+TINY: dict[str, Any] = TINY_DECODER
 RANK = 4
 
 
