@@ -1,6 +1,6 @@
 """Memory-lean construction, scanning and loading of stacked-layer Equinox models."""
 
-from . import dtypes as dtypes, init as init, memory as memory, quant as quant
+from . import dtypes as dtypes, init as init, memory as memory, nn as nn, quant as quant
 from ._build import (
     allocate_stacked as allocate_stacked,
     build_stacked as build_stacked,

@@ -1,0 +1,7 @@
+"""Layers and losses for any Equinox model whose activations must stay lean: a fused linear +
+cross-entropy that never holds `[tokens, vocab]` logits."""
+
+from ._cross_entropy import (
+    DEFAULT_CHUNK_BYTES as DEFAULT_CHUNK_BYTES,
+    linear_cross_entropy as linear_cross_entropy,
+)
