@@ -76,7 +76,10 @@ def number(
     wanted = f"{what} must be a finite number" + (f" {' and '.join(parts)}" if parts else "")
     if _is_bool(value) or not isinstance(value, int | float | np.integer | np.floating):
         raise TypeError(f"{wanted}; got {value!r} ({type(value).__name__}).")
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # an integer beyond every float (a JSON literal of 400 digits)
+        raise ValueError(f"{wanted}; got an integer of {len(str(abs(value)))} digits.") from None
     if (
         not math.isfinite(value)
         or (minimum is not None and value < minimum)

@@ -31,6 +31,12 @@ def test_number_refuses_strings_bools_and_non_finite_values():
     for bad in (math.nan, math.inf, -1.0, 0.0):
         with pytest.raises(ValueError, match=r"`eps` must be a finite number above 0; got"):
             arguments.number(bad, "`eps`", above=0)
+    # JSON reads a long integer literal as an `int` no float holds: refused, not an
+    # OverflowError.
+    with pytest.raises(
+        ValueError, match=r"`eps` must be a finite number above 0; got an integer of 401 digits\."
+    ):
+        arguments.number(10**400, "`eps`", above=0)
 
 
 def test_number_bounds():

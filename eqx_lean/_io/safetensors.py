@@ -241,6 +241,7 @@ def _plain_file_name(index_path: Path, tensor: str, file: Any) -> str:
     plain = (
         isinstance(file, str)
         and file not in ("", ".", "..")
+        and "\x00" not in file  # which no file system allows in a name
         and "/" not in file
         and "\\" not in file
         and Path(file).name == file
@@ -249,7 +250,7 @@ def _plain_file_name(index_path: Path, tensor: str, file: Any) -> str:
         raise ValueError(
             f"{index_path} names {file!r} as the file of tensor {tensor!r}, but index entries "
             f"must be plain file names in the checkpoint's directory {index_path.parent} (no "
-            "directory, no absolute path, no '..')."
+            "directory, no absolute path, no '..', no NUL byte)."
         )
     return file
 
@@ -266,6 +267,14 @@ def parse_index(index_path: Path, raw: bytes) -> dict[str, str]:
             f"{index_path} must be a JSON object with a `weight_map` object from tensor names to "
             f"file names, as Hugging Face writes it; reading it failed: {e!r}"
         ) from None
+    for name in weight_map:
+        # No model names a tensor so: the index is damaged (or hostile), and the name would
+        # otherwise reach the file system or a C string in a later message's place.
+        if "\x00" in name:
+            raise ValueError(
+                f"{index_path} has an entry whose tensor name {name!r} holds a NUL byte; the "
+                "tensor names of an index must not (the file is damaged)."
+            )
     return {name: _plain_file_name(index_path, name, file) for name, file in weight_map.items()}
 
 

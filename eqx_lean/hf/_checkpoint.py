@@ -21,7 +21,7 @@ from ..quant._linear import QuantConfig
 from ._config import MistralConfig, config_from_file, parse_config_json
 from ._families import DTYPE_NAMES, declared_layers, stated_dtype
 from ._model import DecoderBlock, Mistral, RMSNorm, _linear_from_weight, _resolve_dtype, make_block
-from ._quantized import load_quantized, refuse_prequantized
+from ._quantized import load_quantized, refuse_bitsandbytes, refuse_prequantized
 
 
 _EMBED, _NORM, _HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
@@ -154,15 +154,31 @@ def from_hf_state_dict(
     **Returns:**
 
     The [`Mistral`][] model. The layer count and every tensor's shape are checked against
-    `config` before any buffer is allocated.
+    `config` before any buffer is allocated: a state dict with more layers than `config` is
+    refused too (as [`load_hf`][] refuses such a checkpoint), and so is one of bitsandbytes'
+    quantised tensors.
     """
     held, expected = stored_layer_count(state_dict, _LAYER_PREFIX), config.num_hidden_layers
-    if held < expected:  # before any list of one name per layer is built
+    if held != expected:  # before any list of one name per layer is built
+        extra = (
+            f" Pass a config with {held} layers, or drop the layers from {expected} on to "
+            "keep the first ones."
+            if held > expected
+            else ""
+        )
         raise ValueError(
             f"`state_dict` must hold the {expected} layers `config.num_hidden_layers` gives; "
-            f"it holds {held} ('{_LAYER_PREFIX}{{i}}.…' for i < {held})."
+            f"it holds {held} ('{_LAYER_PREFIX}{{i}}.…' for i < {held}).{extra}"
         )
-    missing = [name for name in _hf_names(config) if name not in state_dict]
+    names = _hf_names(config)
+    dtypes = {name: str(getattr(value, "dtype", "")) for name, value in state_dict.items()}
+    refuse_bitsandbytes(
+        {name: dtype.removeprefix("torch.") for name, dtype in dtypes.items()},
+        set(names),
+        "`state_dict` holds",
+        None,
+    )
+    missing = [name for name in names if name not in state_dict]
     if missing:
         raise KeyError(
             f"`state_dict` must hold every {_FAMILY_NAMES[config.model_type]} tensor of "
@@ -349,7 +365,8 @@ def load_hf(
         in `dtype`. With `sharding`, each quantised weight is placed as the sharding given
         for the weight places it, its NF4 codes split between rows (see
         [`eqx_lean.load_tensors`][]). A checkpoint saved quantised (a
-        `quantization_config` in `config.json`, as `*-bnb-4bit` repositories) is refused.
+        `quantization_config` in `config.json`, as `*-bnb-4bit` repositories) is refused,
+        and so are bitsandbytes' tensors under a `config.json` that lost that field.
     - `file_backed`: `True`, on CPU, makes every weight the checkpoint file's own pages
         instead of a copy (see [`eqx_lean.load_tensors`][]): the load reads nothing until the
         weights are used and takes no anonymous memory, for a frozen base (inference, LoRA).
@@ -402,6 +419,12 @@ def _load_opened(
     config = _with_generation_eos(checkpoint, path, config)
     dtype = _resolve_dtype(config, dtype)
     like = abstract_model(config, dtype)
+    refuse_bitsandbytes(
+        {name: jnp.dtype(struct.dtype).name for name, struct in stored.items()},
+        set(_tensor_names(like)),
+        f"the weights in {path} hold",
+        config_file,
+    )
     _check_shapes(stored, path, config, like)
     layers = None if strict else config.num_hidden_layers
     stored_head = _HEAD in stored

@@ -5,6 +5,9 @@ import json
 import os
 from typing import Any
 
+import numpy as np
+
+from .. import _arguments as arguments
 from ._families import DTYPE_NAMES, FAMILIES, read_family, unknown_family, write_family
 from ._rope import Llama3Rope
 
@@ -72,18 +75,11 @@ class MistralConfig:
     generation_eos_token_id: tuple[int, ...] | None = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self):
-        positive = (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "num_key_value_heads",
-        )
-        for name in positive:
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"`{name}` must be a positive integer; got {value!r}.")
+        # Every field in its canonical Python type, checked before anything is built from it:
+        # a bool is not a size (`sliding_window: true` is not a window of 1), a string not an
+        # epsilon, and a non-finite or negative epsilon or base computes garbage, not an error.
+        for name in _POSITIVE:
+            self._set(name, arguments.integer(getattr(self, name), f"`{name}`", minimum=1))
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 "`num_attention_heads` must be a multiple of `num_key_value_heads` (grouped-query "
@@ -95,34 +91,54 @@ class MistralConfig:
                     "`hidden_size` must be divisible by `num_attention_heads` when `head_dim` is "
                     f"not given; got {self.hidden_size} and {self.num_attention_heads}."
                 )
-            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
-        if not isinstance(self.head_dim, int) or self.head_dim < 2 or self.head_dim % 2:
+            self._set("head_dim", self.hidden_size // self.num_attention_heads)
+        try:
+            head_dim = arguments.integer(self.head_dim, "`head_dim`", minimum=2)
+        except (TypeError, ValueError):
+            head_dim = None
+        if head_dim is None or head_dim % 2:
             raise ValueError(
                 f"`head_dim` must be a positive even integer (rotary embeddings rotate pairs); "
                 f"got {self.head_dim!r}."
             )
-        if self.sliding_window is not None and (
-            not isinstance(self.sliding_window, int) or self.sliding_window < 1
-        ):
-            raise ValueError(
-                f"`sliding_window` must be None or a positive integer; got {self.sliding_window!r}."
-            )
-        if self.dtype not in DTYPE_NAMES:
+        self._set("head_dim", head_dim)
+        self._set(
+            "sliding_window",
+            arguments.optional_integer(self.sliding_window, "`sliding_window`", minimum=1),
+        )
+        for name in ("rms_norm_eps", "rope_theta"):
+            self._set(name, arguments.number(getattr(self, name), f"`{name}`", above=0))
+        self._set(
+            "initializer_range",
+            arguments.number(self.initializer_range, "`initializer_range`", minimum=0),
+        )
+        for name in ("attention_bias", "o_proj_bias", "mlp_bias", "tie_word_embeddings"):
+            self._set(name, arguments.boolean(getattr(self, name), f"`{name}`"))
+        if not isinstance(self.dtype, str) or self.dtype not in DTYPE_NAMES:
             raise ValueError(f"`dtype` must be one of {DTYPE_NAMES}; got {self.dtype!r}.")
         self._check_family()
 
+    def _set(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+
     def _check_family(self) -> None:
-        if self.model_type not in FAMILIES:
+        if not isinstance(self.model_type, str) or self.model_type not in FAMILIES:
             raise unknown_family(self.model_type)
         for name in ("eos_token_id", "generation_eos_token_id", "layer_types"):
             value = getattr(self, name)
             if isinstance(value, list):
                 object.__setattr__(self, name, tuple(value))
+        self._set(
+            "bos_token_id",
+            arguments.optional_integer(self.bos_token_id, "`bos_token_id`", minimum=0),
+        )
+        self._set("eos_token_id", _token_ids(self.eos_token_id, "`eos_token_id`"))
         if self.layer_types is not None:
-            kinds = {"full_attention", "sliding_attention"}
+            kinds = ("full_attention", "sliding_attention")
             if (
-                len(self.layer_types) != self.num_hidden_layers
-                or not set(self.layer_types) <= kinds
+                not isinstance(self.layer_types, tuple)
+                or len(self.layer_types) != self.num_hidden_layers
+                or not all(isinstance(kind, str) and kind in kinds for kind in self.layer_types)
             ):
                 raise ValueError(
                     f"`layer_types` must give one of {sorted(kinds)} for each of the "
@@ -264,6 +280,39 @@ class MistralConfig:
 
 
 DecoderConfig = MistralConfig
+
+
+def _token_ids(value: Any, what: str) -> int | tuple[int, ...] | None:
+    """A token id field: `None`, an id or a tuple of ids, each a non-negative integer (a bool
+    is not an id)."""
+    if value is None:
+        return None
+    many = isinstance(value, tuple)
+    if not all(_is_id(i) for i in (value if many else (value,))):
+        shown = f"{list(value)!r} (list)" if many else f"{value!r} ({type(value).__name__})"
+        raise ValueError(
+            f"{what} must be an integer of at least 0, a list of them or null; got {shown}."
+        )
+    return tuple(int(i) for i in value) if many else int(value)
+
+
+def _is_id(value: Any) -> bool:
+    return (
+        not isinstance(value, bool | np.bool_)
+        and isinstance(value, int | np.integer)
+        and bool(value >= 0)
+    )
+
+
+_POSITIVE = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "max_position_embeddings",
+)
 
 
 def parse_config_json(raw: bytes, path: str) -> dict[str, Any]:

@@ -7,6 +7,7 @@ dropout, a rotary scaling other than `default` and `llama3`, ...), naming the fi
 
 from typing import Any
 
+from .. import _arguments as arguments
 from ._rope import read_rope, rope_parameters
 
 
@@ -80,12 +81,11 @@ def unknown_family(model_type: Any) -> ValueError:
     )
 
 
-def _token_ids(value: Any, field: str) -> int | tuple[int, ...] | None:
-    if value is None or isinstance(value, int):
-        return value
-    if isinstance(value, list) and all(isinstance(v, int) for v in value):
-        return tuple(value)
-    raise ValueError(f"`{field}` must be an integer, a list of integers or null; got {value!r}.")
+def _flag(hf: dict[str, Any], name: str) -> bool:
+    """A true-or-false field, false when missing or null (as `transformers` reads it): a string
+    "false" or a 0 is refused, not taken for its truth value."""
+    value = hf.get(name)
+    return False if value is None else arguments.boolean(value, f"`{name}`")
 
 
 def _common(hf: dict[str, Any], family: str) -> dict[str, Any]:
@@ -95,7 +95,7 @@ def _common(hf: dict[str, Any], family: str) -> dict[str, Any]:
     if act != "silu":
         raise ValueError(f"`hidden_act` must be 'silu' (SwiGLU); got {act!r}.")
     dropout = hf.get("attention_dropout", 0.0)
-    if dropout not in (0, 0.0, None):
+    if dropout not in (0, 0.0, None) or isinstance(dropout, bool):
         raise ValueError(f"`attention_dropout` must be 0; got {dropout!r}.")
     kwargs = {name: hf.get(name, defaults.get(name)) for name in _SHAPE}
     heads = kwargs["num_attention_heads"]
@@ -104,9 +104,8 @@ def _common(hf: dict[str, Any], family: str) -> dict[str, Any]:
     kwargs["head_dim"] = hf.get("head_dim")
     theta, scaling = read_rope(hf, 10000.0)
     kwargs.update(rope_theta=theta, rope_scaling=scaling, model_type=family)
-    kwargs["eos_token_id"] = _token_ids(
-        hf.get("eos_token_id", defaults["eos_token_id"]), "eos_token_id"
-    )
+    # A list becomes a tuple; `DecoderConfig` checks every id.
+    kwargs["eos_token_id"] = hf.get("eos_token_id", defaults["eos_token_id"])
     if "initializer_range" in hf:
         kwargs["initializer_range"] = hf["initializer_range"]
     # transformers builds a config without a dtype in its default, float32 (`load_hf` then
@@ -138,25 +137,22 @@ def stated_dtype(hf: dict[str, Any]) -> str | None:
 
 
 def _read_mistral(hf: dict[str, Any]) -> dict[str, Any]:
-    if hf.get("tie_word_embeddings", False):
+    if _flag(hf, "tie_word_embeddings"):
         raise ValueError("`tie_word_embeddings` must be false for Mistral: its head is untied.")
     return _common(hf, "mistral") | {"sliding_window": hf.get("sliding_window", 4096)}
 
 
 def _read_llama(hf: dict[str, Any]) -> dict[str, Any]:
     tp = hf.get("pretraining_tp", 1)
-    if tp not in (1, None):
+    if tp not in (1, None) or isinstance(tp, bool):
         raise ValueError(f"`pretraining_tp` must be 1 (no sliced projections); got {tp!r}.")
-    for name in ("attention_bias", "mlp_bias"):
-        if not isinstance(hf.get(name, False), bool):
-            raise ValueError(f"`{name}` must be true or false; got {hf[name]!r}.")
-    attention_bias = hf.get("attention_bias", False)
+    attention_bias = _flag(hf, "attention_bias")
     return _common(hf, "llama") | dict(
         sliding_window=None,
         attention_bias=attention_bias,
         o_proj_bias=attention_bias,
-        mlp_bias=hf.get("mlp_bias", False),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        mlp_bias=_flag(hf, "mlp_bias"),
+        tie_word_embeddings=_flag(hf, "tie_word_embeddings"),
     )
 
 
@@ -164,10 +160,14 @@ def _read_qwen2(hf: dict[str, Any]) -> dict[str, Any]:
     layers = hf.get("num_hidden_layers", _DEFAULTS["qwen2"]["num_hidden_layers"])
     # As `transformers`' `Qwen2Config`: the window exists only with `use_sliding_window`, and
     # `layer_types` (else `max_window_layers`) says which layers use it.
-    window = hf.get("sliding_window", 4096) if hf.get("use_sliding_window", False) else None
+    window = hf.get("sliding_window", 4096) if _flag(hf, "use_sliding_window") else None
     layer_types = hf.get("layer_types")
     if layer_types is None:
-        first = hf.get("max_window_layers", 28)
+        first = 0
+        if window is not None:  # read only then, as transformers reads it
+            first = arguments.integer(
+                hf.get("max_window_layers", 28), "`max_window_layers`", minimum=0
+            )
         layer_types = [
             "sliding_attention" if window is not None and i >= first else "full_attention"
             for i in range(layers)
@@ -178,7 +178,7 @@ def _read_qwen2(hf: dict[str, Any]) -> dict[str, Any]:
         sliding_window=window,
         layer_types=tuple(layer_types),
         attention_bias=True,
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        tie_word_embeddings=_flag(hf, "tie_word_embeddings"),
     )
 
 
@@ -190,7 +190,7 @@ def declared_layers(hf: dict[str, Any]) -> int | None:
     before the config is built: `None` when the file is not one a config is built from, which
     building it then reports."""
     family = hf.get("model_type", "mistral")
-    if family not in _DEFAULTS:
+    if not isinstance(family, str) or family not in _DEFAULTS:
         return None
     layers = hf.get("num_hidden_layers", _DEFAULTS[family]["num_hidden_layers"])
     return layers if isinstance(layers, int) and not isinstance(layers, bool) else None
@@ -202,7 +202,7 @@ def read_family(hf: dict[str, Any]) -> dict[str, Any]:
     A file without `model_type` is read as Mistral (as this library always has).
     """
     family = hf.get("model_type", "mistral")
-    if family not in _READERS:
+    if not isinstance(family, str) or family not in _READERS:
         raise unknown_family(family)
     return _READERS[family](hf)
 

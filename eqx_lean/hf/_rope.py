@@ -16,6 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
+from .. import _arguments as arguments
+
 
 _REFUSED = ("linear", "dynamic", "yarn", "longrope", "proportional")
 
@@ -35,11 +37,17 @@ class Llama3Rope:
     original_max_position_embeddings: int
 
     def __post_init__(self):
-        if not self.factor > 0 or not self.original_max_position_embeddings > 0:
-            raise ValueError(
-                "llama3 rope `factor` and `original_max_position_embeddings` must be positive; "
-                f"got {self.factor!r} and {self.original_max_position_embeddings!r}."
-            )
+        # Each wavelength bound divides by a factor: a factor of 0 or below, or a context that
+        # is not a positive integer, computes frequencies transformers would not.
+        for name in ("factor", "low_freq_factor", "high_freq_factor"):
+            value = arguments.number(getattr(self, name), f"llama3 rope `{name}`", above=0)
+            object.__setattr__(self, name, value)
+        context = arguments.integer(
+            self.original_max_position_embeddings,
+            "llama3 rope `original_max_position_embeddings`",
+            minimum=1,
+        )
+        object.__setattr__(self, "original_max_position_embeddings", context)
         if not self.high_freq_factor > self.low_freq_factor:
             raise ValueError(
                 "llama3 rope `high_freq_factor` must exceed `low_freq_factor`; got "
@@ -66,7 +74,13 @@ _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_p
 
 
 def _number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    """A finite number, not a bool (nor an integer beyond every float, which JSON can hold)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def _kind(rope: dict[str, Any], field: str) -> str:
@@ -140,6 +154,8 @@ def _read_one(
                 f"`{field}.{name}` must be a{'n integer' if wanted is int else ' number'}; "
                 f"got {value!r}."
             )
+        if value <= 0:  # a wavelength bound divides by it
+            raise ValueError(f"`{field}.{name}` must be above 0; got {value!r}.")
     scaling = Llama3Rope(
         factor=float(rope["factor"]),
         low_freq_factor=float(rope["low_freq_factor"]),

@@ -13,6 +13,8 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
+from ._select import scale_problem
+
 
 class Field(NamedTuple):
     """One `LoraConfig` field: its PEFT default and what this example accepts in it.
@@ -46,7 +48,13 @@ def same(value: Any, default: Any) -> bool:
 
 
 def _number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    """A finite number, not a bool (nor an integer beyond every float, which JSON can hold)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def _optional(kind: type) -> Callable[[Any], bool]:
@@ -209,3 +217,14 @@ def check_fields(config: Mapping[str, Any], file: str) -> None:
                 value,
                 file,
             )
+    _check_scale(config, file)
+
+
+def _check_scale(config: Mapping[str, Any], file: str) -> None:
+    """The scale `lora_alpha`, `r` and `use_rslora` give together, each already accepted."""
+    alpha, r, rslora = (
+        config.get(name, FIELDS[name].default) for name in ("lora_alpha", "r", "use_rslora")
+    )
+    problem = scale_problem(alpha, r, rslora)
+    if problem is not None:
+        raise field_error("lora_alpha", problem, alpha, file)
