@@ -608,7 +608,7 @@ def _blocks_and_inputs() -> dict[str, Any]:
     }
 
 
-@prelude("eqx_lean.hf._plan:plan_lora_step")
+@prelude("eqx_lean.hf._plan:plan_lora_step", "eqx_lean.hf._plan:plan_train_step")
 def _config_json() -> dict[str, Any]:
     pathlib.Path("config.json").write_text(json.dumps(tiny_mistral_config().to_hf()))
     return {}

@@ -7,10 +7,12 @@ plans there.
 """
 
 import argparse
+import dataclasses
 import os
 import subprocess
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 
 PLANNING_ENVIRONMENT = {
@@ -21,14 +23,22 @@ PLANNING_ENVIRONMENT = {
     "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
 }
 _CHILD_FLAG = "EQX_LEAN_PLANNING_CHILD"
+PROG = "python -m eqx_lean.memory"
 
 EXAMPLES = """\
 examples:
   python -m eqx_lean.memory targets
   python -m eqx_lean.memory run my_plan.py --my-flag      # any script, planning environment set
   python -m eqx_lean.memory lora 8xh100 --config config.json --batch 4 --seq-len 1024
+  python -m eqx_lean.memory lora h100 --config config.json --quantize nf4 --fit
   python -m eqx_lean.memory lora v5e-16 --config config.json --mesh data=2,fsdp=8
+  python -m eqx_lean.memory full 2x8xh100 --config config.json --seq-len 2048 --fit
+
+exit status: 0 the plan fits (with --fit: some batch fits), 1 it does not, 2 a usage error.
 """
+# The largest batch `--fit` considers by default: far beyond what a decoder of any size fits
+# at a useful sequence length, and the search's compiles grow only with its logarithm.
+DEFAULT_MAX_BATCH = 4096
 
 
 def planning_environment(base: dict[str, str] | None = None) -> dict[str, str]:
@@ -48,7 +58,7 @@ def _in_child(argv: Sequence[str]) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m eqx_lean.memory",
+        prog=PROG,
         description="Plan memory for N GPUs or a TPU slice from any machine.",
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -58,25 +68,66 @@ def _parser() -> argparse.ArgumentParser:
     run = commands.add_parser("run", help="run a Python script with the planning environment")
     run.add_argument("script")
     run.add_argument("script_args", nargs=argparse.REMAINDER)
-    lora = commands.add_parser(
-        "lora", help="plan a LoRA step of a Hugging Face decoder (Mistral, Llama, Qwen2)"
-    )
-    lora.add_argument("target", help='a target spec, e.g. "8xh100" or "v5e-16"')
-    lora.add_argument("--config", required=True, help="the checkpoint's config.json")
-    lora.add_argument("--rank", type=int, default=16, help="LoRA rank (default 16)")
-    lora.add_argument(
+    step = argparse.ArgumentParser(add_help=False)
+    step.add_argument("target", help='a target spec, e.g. "8xh100", "2x8xh100" or "v5e-16"')
+    step.add_argument("--config", required=True, help="the checkpoint's config.json")
+    sizes = step.add_mutually_exclusive_group()
+    sizes.add_argument(
         "--batch",
         type=int,
         default=None,
         help="sequences per step, a multiple of the devices (default: one per device)",
     )
-    lora.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
-    lora.add_argument("--remat", default="true", choices=("none", "true"), help="default: true")
-    lora.add_argument(
+    sizes.add_argument(
+        "--fit",
+        action="store_true",
+        help="find the largest batch that fits instead (a multiple of the devices, searched "
+        "with a few compiles)",
+    )
+    step.add_argument(
+        "--max-batch",
+        type=int,
+        default=None,
+        help=f"with --fit: the largest batch to consider (default {DEFAULT_MAX_BATCH}, or the "
+        "number of devices if larger)",
+    )
+    step.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
+    step.add_argument("--remat", default="true", choices=("none", "true"), help="default: true")
+    step.add_argument(
         "--mesh",
         default=None,
         help="axes as name=size,...: both shard the batch, 'fsdp' the weights too "
         "(default: fsdp over every device)",
+    )
+    step.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=("bfloat16", "float32"),
+        help="the weights' dtype (default: bfloat16)",
+    )
+    step.add_argument(
+        "--memory-fraction",
+        type=float,
+        default=None,
+        help="GPU only: the fraction of each GPU's memory a process can use (default: "
+        "XLA_CLIENT_MEM_FRACTION, or JAX's 0.75)",
+    )
+    lora = commands.add_parser(
+        "lora",
+        parents=[step],
+        help="plan a LoRA step of a Hugging Face decoder (Mistral, Llama, Qwen2)",
+    )
+    lora.add_argument("--rank", type=int, default=16, help="LoRA rank (default 16)")
+    lora.add_argument(
+        "--quantize",
+        default=None,
+        help="quantise the frozen base's linears as load_hf(quantize=...) does: nf4 or int8 "
+        "(QLoRA; default: none)",
+    )
+    commands.add_parser(
+        "full",
+        parents=[step],
+        help="plan a full-parameter AdamW step of a Hugging Face decoder (every weight trained)",
     )
     return parser
 
@@ -126,7 +177,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _targets()
     if args.command == "run":
         return _run_script(args.script, args.script_args)
-    return _plan_lora(args)
+    try:
+        request = _request(args)
+    except _UsageError as error:
+        # argparse's style for a usage error: one line, exit status 2, no traceback.
+        print(f"{PROG} {args.command}: error: {' '.join(str(error).split())}", file=sys.stderr)
+        return 2
+    return _fit(request) if args.fit else _plan(request, request.batch)
+
+
+class _UsageError(Exception):
+    """A value on the command line that the planners' argument checks refused."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Request:
+    """A plan's arguments, each checked as the planners check it."""
+
+    args: argparse.Namespace
+    config: Any
+    target: Any
+    batch: int  # with --fit, the batches' multiple
+    max_batch: int
+    mesh_axes: list[tuple[str, int]] | None
+    quantize: Any
 
 
 def _mesh_axes(text: str | None) -> list[tuple[str, int]] | None:
@@ -135,34 +209,123 @@ def _mesh_axes(text: str | None) -> list[tuple[str, int]] | None:
     axes = []
     for part in text.split(","):
         name, _, size = part.partition("=")
-        if not size.isdigit():
-            raise SystemExit(f"--mesh must be name=size,...; got {text!r}.")
-        axes.append((name.strip(), int(size)))
+        try:
+            axes.append((name.strip(), int(size)))
+        except ValueError:
+            raise _UsageError(f"--mesh must be name=size,...; got {text!r}.") from None
     return axes
 
 
-def _plan_lora(args: argparse.Namespace) -> int:
+def _request(args: argparse.Namespace) -> _Request:
+    """Every argument checked before any compile, by the checks the planners themselves make
+    (so the CLI says what the API would): a `ValueError` or `TypeError` from one of them, or
+    an unreadable config file, is a usage error. Failures after this point are real ones and
+    keep their traceback."""
     # The HF layer sits above `eqx_lean.memory`; only this command needs it.
-    from eqx_lean import hf
+    from eqx_lean import _arguments as arguments, hf
+    from eqx_lean._io.quantized import quant_config
+    from eqx_lean.hf._plan import check_step_arguments
 
     from .targets import target
 
-    config = hf.MistralConfig.from_json(args.config)
+    try:
+        for option, value in (("--seq-len", args.seq_len), ("--rank", getattr(args, "rank", 1))):
+            arguments.integer(value, option, minimum=1)
+        if args.batch is not None:
+            arguments.integer(args.batch, "--batch", minimum=1)
+        if args.max_batch is not None:
+            if not args.fit:
+                raise _UsageError("--max-batch applies with --fit only.")
+            arguments.integer(args.max_batch, "--max-batch", minimum=1)
+        mesh_axes = _mesh_axes(args.mesh)
+        quantize = quant_config(getattr(args, "quantize", None))
+        where = target(args.target, memory_fraction=args.memory_fraction)
+        devices = len(where.devices)
+        batch = devices if args.batch is None else args.batch
+        max_batch = max(DEFAULT_MAX_BATCH, devices) if args.max_batch is None else args.max_batch
+        if args.fit and max_batch < devices:
+            raise _UsageError(
+                f"--max-batch must be at least the number of devices ({devices}): batches are "
+                f"multiples of it; got {max_batch}."
+            )
+        check_step_arguments(where, batch, args.seq_len, mesh_axes)
+        config = hf.MistralConfig.from_json(args.config)
+    except (ValueError, TypeError) as error:
+        raise _UsageError(str(error)) from None
+    except OSError as error:  # argparse's own words for a file it cannot open
+        raise _UsageError(f"can't open '{args.config}': {error}") from None
+    return _Request(args, config, where, batch, max_batch, mesh_axes, quantize)
+
+
+def _describe(request: _Request, batch: str) -> str:
+    args = request.args
+    if args.command == "full":
+        what = f"Full-parameter step (AdamW on every weight, remat {args.remat})"
+    else:
+        base = "" if request.quantize is None else f", {request.quantize.scheme} base"
+        what = f"LoRA step (rank {args.rank}, all seven projections{base}, remat {args.remat})"
+    dtype = "" if args.dtype == "bfloat16" else f", {args.dtype} weights"
+    return f"{what} of {args.config}{dtype}, batch {batch} x {args.seq_len} tokens"
+
+
+def _planned(request: _Request, batch: int) -> Any:
+    import jax.numpy as jnp
+
+    from eqx_lean import hf
+
+    args = request.args
     remat = args.remat == "true"
-    where = target(args.target)
-    batch = len(where.devices) if args.batch is None else args.batch
-    plan = hf.plan_lora_step(
-        config,
-        where,
+    dtype = jnp.dtype(args.dtype)
+    if args.command == "full":
+        return hf.plan_train_step(
+            request.config,
+            request.target,
+            batch_size=batch,
+            seq_len=args.seq_len,
+            remat=remat,
+            mesh_axes=request.mesh_axes,
+            dtype=dtype,
+        )
+    return hf.plan_lora_step(
+        request.config,
+        request.target,
         batch_size=batch,
         seq_len=args.seq_len,
         lora_config=hf.lora_config_of_rank(args.rank),
         remat=remat,
-        mesh_axes=_mesh_axes(args.mesh),
+        mesh_axes=request.mesh_axes,
+        dtype=dtype,
+        quantize=request.quantize,
     )
-    print(
-        f"LoRA step (rank {args.rank}, all seven projections, remat {args.remat}) of "
-        f"{args.config}, batch {batch} x {args.seq_len} tokens"
-    )
+
+
+def _plan(request: _Request, batch: int) -> int:
+    plan = _planned(request, batch)
+    print(_describe(request, str(batch)))
     print(plan)
     return 0 if plan.fits else 1
+
+
+def _fit(request: _Request) -> int:
+    from .table import format_bytes
+    from .training import _fit_one
+
+    multiple = request.batch
+    found = _fit_one(
+        lambda batch: _planned(request, batch), multiple, request.max_batch, request.args.remat
+    )
+    tried = ", ".join(
+        f"{batch} {'fits' if fits else 'does not'} ({format_bytes(peak)})"
+        for batch, peak, fits in found.tried
+    )
+    print(_describe(request, "<largest>"))
+    print(
+        f"largest batch that fits: {found.batch_size} (multiples of {multiple} up to "
+        f"{request.max_batch}; {found.compiles} compiles: {tried})"
+    )
+    if found.batch_size:
+        print(found.plan)
+    else:
+        print(f"not even {multiple}, one sequence per device:")
+        print(found.plan)
+    return 0 if found.batch_size else 1

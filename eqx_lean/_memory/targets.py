@@ -2,6 +2,7 @@
 
 import dataclasses
 import functools
+import math
 import os
 import re
 from collections.abc import Sequence
@@ -10,6 +11,8 @@ from typing import Any
 
 import jax
 from jax.sharding import Mesh
+
+from .. import _arguments as arguments
 
 
 _GPU_SPECS_DIR = Path(__file__).parent / "gpu_specs"
@@ -113,23 +116,17 @@ class Target:
 
         **Arguments:**
 
-        - `axis_shapes`: the size of each axis; their product must be `len(target.devices)`.
-        - `axis_names`: the name of each axis.
+        - `axis_shapes`: the size of each axis, at least one axis, each a positive integer;
+            their product must be `len(target.devices)`.
+        - `axis_names`: the name of each axis, a distinct non-empty string each.
         - `**kwargs`: passed on to `jax.make_mesh` (`axis_types=`).
 
         **Returns:**
 
         A `jax.sharding.Mesh`.
         """
-        total = 1
-        for n in axis_shapes:
-            total *= int(n)
-        if total != len(self.devices):
-            raise ValueError(
-                f"axis_shapes {tuple(axis_shapes)} hold {total} devices; target {self.spec!r} "
-                f"has {len(self.devices)}: their product must equal the number of devices."
-            )
-        return jax.make_mesh(tuple(axis_shapes), tuple(axis_names), devices=self.devices, **kwargs)
+        shapes, names = mesh_axes(self, axis_shapes, axis_names, "`axis_shapes`", "`axis_names`")
+        return jax.make_mesh(shapes, names, devices=self.devices, **kwargs)
 
     def __repr__(self) -> str:
         gib = 2**30
@@ -137,6 +134,54 @@ class Target:
             f"Target({self.spec!r}: {len(self.devices)} x {self.device_kind} ({self.platform}), "
             f"{self.device_memory / gib:.2f} GiB usable of {self.hbm_bytes / gib:.2f} GiB each)"
         )
+
+
+def mesh_axes(
+    where: Target, shapes: Any, names: Any, shapes_what: str, names_what: str
+) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """The one check of a mesh's axes over all of `where`'s devices, before JAX sees them: at
+    least one axis, each size a positive integer (not a bool: `True` would be an axis of one),
+    each name a non-empty string, no name twice, as many names as sizes, and sizes whose
+    product is the number of devices. Negative sizes whose product is right, or a repeated
+    name, reached XLA (or passed) before.
+
+    **Arguments:**
+
+    - `where`: the target.
+    - `shapes`, `names`: the axes' sizes and names, as the caller took them.
+    - `shapes_what`, `names_what`: how an error names them, such as "`axis_shapes`".
+
+    **Returns:**
+
+    `(shapes, names)` as tuples of `int` and `str`.
+    """
+    if isinstance(shapes, str | bytes) or not isinstance(shapes, Sequence):
+        raise TypeError(f"{shapes_what} must be a sequence of axis sizes; got {shapes!r}.")
+    if isinstance(names, str | bytes) or not isinstance(names, Sequence):
+        raise TypeError(f"{names_what} must be a sequence of axis names; got {names!r}.")
+    if not shapes:
+        raise ValueError(f"{shapes_what} must hold at least one axis; got {shapes!r}.")
+    sizes = tuple(
+        arguments.integer(n, f"{shapes_what}[{i}]", minimum=1) for i, n in enumerate(shapes)
+    )
+    for i, name in enumerate(names):
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"{names_what}[{i}] must be a non-empty string; got {name!r}.")
+    if len(set(names)) != len(names):
+        twice = sorted({n for n in names if list(names).count(n) > 1})
+        raise ValueError(f"{names_what} must name each axis once; {twice} appear more than once.")
+    if len(names) != len(sizes):
+        raise ValueError(
+            f"{names_what} has {len(names)} names for the {len(sizes)} sizes of {shapes_what}: "
+            "give one name per axis."
+        )
+    total = math.prod(sizes)
+    if total != len(where.devices):
+        raise ValueError(
+            f"{shapes_what} {sizes} hold {total} devices; target {where.spec!r} has "
+            f"{len(where.devices)}: their product must equal the number of devices."
+        )
+    return sizes, tuple(names)
 
 
 def target(spec: str, *, memory_fraction: float | None = None) -> Target:
@@ -176,8 +221,11 @@ def target(spec: str, *, memory_fraction: float | None = None) -> Target:
     if not isinstance(spec, str):
         raise TypeError(f"spec must be a string such as '8xh100' or 'v5e-16', got {spec!r}.")
     spec = spec.strip().lower()
-    if memory_fraction is not None and not 0 < memory_fraction <= 1:
-        raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction!r}.")
+    if memory_fraction is not None:
+        # A bool is not a fraction (`True` was taken as all of the memory).
+        memory_fraction = arguments.number(memory_fraction, "`memory_fraction`")
+        if not 0 < memory_fraction <= 1:
+            raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction!r}.")
     gpu = _parse_gpu(spec)
     if gpu is not None:
         return _gpu_target(spec, *gpu, _gpu_fraction(memory_fraction))

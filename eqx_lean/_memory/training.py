@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
+from .. import _arguments as arguments
 from .plans import Plan, _is_traced, _structs_on, plan
 from .table import format_bytes, table
 from .targets import Target, resolve_target
@@ -90,6 +91,20 @@ def _split(model: Any, trainable: Any) -> tuple[Any, Any]:
             "trainable selects no floating arrays of `model`: there is nothing to train."
         )
     return params, eqx.combine(frozen, extra)
+
+
+def _check_batch(batch: Sequence[Any]) -> None:
+    """Refuses a batch array of a zero or negative size: a batch of no rows or no tokens
+    compiles, and its plan "fits", planning nothing (a struct of a negative size is accepted
+    by JAX and fails deep in XLA)."""
+    leaves = jax.tree_util.tree_flatten_with_path(tuple(batch))[0]
+    for path, leaf in leaves:
+        if _is_traced(leaf) and any(int(n) < 1 for n in leaf.shape):
+            raise ValueError(
+                f"batch argument {jax.tree_util.keystr(path)} has shape {tuple(leaf.shape)}: "
+                "every size of a batch array must be at least 1 (a batch of no rows or no "
+                "tokens plans nothing)."
+            )
 
 
 def train_step(loss_fn: Callable[..., Any], optimizer: Any) -> Callable[..., Any]:
@@ -185,10 +200,11 @@ def plan_train_step(
     """
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable `(model, *batch) -> loss`, got {loss_fn!r}.")
+    _check_batch(batch)
     where = resolve_target(target)
-    arguments = train_arguments(model, optimizer, batch, where, trainable)
+    step_arguments = train_arguments(model, optimizer, batch, where, trainable)
     step = train_step(loss_fn, optimizer)
-    return plan(step, *arguments, target=where, donate=(0, 1) if donate else "none")
+    return plan(step, *step_arguments, target=where, donate=(0, 1) if donate else "none")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -396,13 +412,9 @@ def fit(
 
     A [`eqx_lean.memory.Fit`][]; `print` it for the frontier.
     """
-    if not isinstance(batch_multiple, int) or batch_multiple < 1:
-        raise ValueError(f"batch_multiple must be a positive integer, got {batch_multiple!r}.")
-    if not isinstance(max_batch, int) or max_batch < batch_multiple:
-        raise ValueError(
-            f"max_batch must be an integer of at least batch_multiple={batch_multiple}, "
-            f"got {max_batch!r}."
-        )
+    # Bools are not sizes (`True` was a multiple of 1).
+    batch_multiple = arguments.integer(batch_multiple, "`batch_multiple`", minimum=1)
+    max_batch = arguments.integer(max_batch, "`max_batch`", minimum=batch_multiple)
     remats = tuple(remats)
     if not remats:
         raise ValueError("remats must name at least one remat mode.")

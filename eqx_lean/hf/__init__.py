@@ -33,6 +33,7 @@ from ._plan import (
     fsdp_shardings as fsdp_shardings,
     lora_config_of_rank as lora_config_of_rank,
     plan_lora_step as plan_lora_step,
+    plan_train_step as plan_train_step,
 )
 from ._state import (
     FinetuneState as FinetuneState,

@@ -1,5 +1,6 @@
 """The LoRA step of a Hugging Face decoder, planned for a target's devices without them."""
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -8,12 +9,13 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from .. import lora, memory
+from .. import _arguments as arguments, lora, memory
 from .._io.quantized import quant_config
-from .._memory.targets import resolve_target
+from .._memory.targets import Target, mesh_axes as checked_mesh_axes, resolve_target
+from ._checkpoint import abstract_model
 from ._config import MistralConfig
 from ._finetune import _abstract_lora_model, make_lora_step
-from ._train import adamw
+from ._train import adamw, next_token_loss
 
 
 ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -62,6 +64,70 @@ def _placed(tree: Any, shardings: Any) -> Any:
     )
 
 
+def check_step_arguments(
+    target: "memory.Target | str",
+    batch_size: Any,
+    seq_len: Any,
+    mesh_axes: Any,
+) -> tuple[Target, Mesh, jax.ShapeDtypeStruct]:
+    """The checks [`eqx_lean.hf.plan_lora_step`][] and [`eqx_lean.hf.plan_train_step`][] make
+    of their arguments before any work, and what they make of them: the target, the mesh
+    (Auto axes) and the token ids' struct, their rows split over every mesh axis.
+
+    `python -m eqx_lean.memory` calls it first, so that a bad value is a usage error there.
+
+    **Raises:** `TypeError` or `ValueError` naming the argument.
+    """
+    where = resolve_target(target)
+    batch_size = arguments.integer(batch_size, "`batch_size`", minimum=1)
+    seq_len = arguments.integer(seq_len, "`seq_len`", minimum=1)
+    if mesh_axes is None:
+        axes = [("fsdp", len(where.devices))]
+    else:
+        if isinstance(mesh_axes, str | bytes) or not isinstance(mesh_axes, Sequence):
+            raise TypeError(
+                f"`mesh_axes` must be a sequence of (name, size) pairs; got {mesh_axes!r}."
+            )
+        axes = list(mesh_axes)
+        if not axes:
+            raise ValueError("`mesh_axes` must hold at least one (name, size) pair; got none.")
+        for axis in axes:
+            if not isinstance(axis, tuple | list) or len(axis) != 2:
+                raise TypeError(f"`mesh_axes` entries must be (name, size) pairs; got {axis!r}.")
+    names = [name for name, _ in axes]
+    unknown = {str(n) for n in names} - {"data", "fsdp"}
+    if unknown:
+        raise ValueError(f"mesh_axes names must be 'data' and 'fsdp'; got {sorted(unknown)}.")
+    shapes = [
+        arguments.integer(size, f"the size of axis {name!r} in `mesh_axes`", minimum=1)
+        for name, size in axes
+    ]
+    shapes, names = checked_mesh_axes(
+        where, shapes, names, "the sizes in `mesh_axes`", "the names in `mesh_axes`"
+    )
+    # Auto axes: the decoder's products leave their output shardings to XLA's propagation.
+    mesh = where.mesh(shapes, names, axis_types=(AxisType.Auto,) * len(names))
+    # Every device takes its own rows: the fsdp axis is data-parallel too (ZeRO-3).
+    rows = len(where.devices)
+    if batch_size % rows:
+        raise ValueError(
+            f"batch_size {batch_size} must be a multiple of the number of devices ({rows}): "
+            "the token ids are split over every mesh axis."
+        )
+    ids = jax.ShapeDtypeStruct(
+        (batch_size, seq_len), jnp.int32, sharding=NamedSharding(mesh, PartitionSpec(names))
+    )
+    return where, mesh, ids
+
+
+def _on_mesh(trees: Sequence[Any], mesh: Mesh) -> list[Any]:
+    """Each tree's structs fully sharded over the `fsdp` axis, or replicated without one."""
+    if "fsdp" in mesh.shape:
+        return [_placed(t, fsdp_shardings(t, mesh)) for t in trees]
+    replicated = NamedSharding(mesh, PartitionSpec())
+    return [_placed(t, jax.tree.map(lambda _: replicated, t)) for t in trees]
+
+
 def plan_lora_step(
     config: MistralConfig,
     target: "memory.Target | str",
@@ -92,12 +158,13 @@ def plan_lora_step(
 
     - `config`: the decoder's configuration.
     - `target`: a [`eqx_lean.memory.Target`][] or a spec for [`eqx_lean.memory.target`][].
-    - `batch_size`, `seq_len`: the token ids' shape; `batch_size` must be a multiple of the
-        number of devices.
+    - `batch_size`, `seq_len`: the token ids' shape, positive integers; `batch_size` must be a
+        multiple of the number of devices.
     - `lora_config`: the adapters; default rank 16 (alpha 32) on all seven projections.
     - `remat`: as for [`eqx_lean.hf.make_lora_step`][].
-    - `mesh_axes`: `(name, size)` pairs over all the target's devices, with names among
-        `"data"` and `"fsdp"`; default: `fsdp` over every device.
+    - `mesh_axes`: `(name, size)` pairs over all the target's devices (sizes positive, their
+        product the number of devices), with names among `"data"` and `"fsdp"`, each once;
+        default: `fsdp` over every device.
     - `dtype`: the frozen base's dtype.
     - `quantize`: `None`, `"nf4"`, `"int8"` or an [`eqx_lean.quant.QuantConfig`][]: plan the
         step on a base whose decoder linears are quantised (QLoRA), as
@@ -107,44 +174,62 @@ def plan_lora_step(
 
     A [`eqx_lean.memory.Plan`][].
     """
-    where = resolve_target(target)
+    where, mesh, ids = check_step_arguments(target, batch_size, seq_len, mesh_axes)
+    quant = quant_config(quantize)
     lora_config = lora_config or lora.LoraConfig(
         r=16, lora_alpha=32, target_modules=ALL_PROJECTIONS
     )
-    axes = list(mesh_axes) if mesh_axes is not None else [("fsdp", len(where.devices))]
-    names = tuple(name for name, _ in axes)
-    unknown = set(names) - {"data", "fsdp"}
-    if unknown:
-        raise ValueError(f"mesh_axes names must be 'data' and 'fsdp'; got {sorted(unknown)}.")
-    # Auto axes: the decoder's products leave their output shardings to XLA's propagation.
-    mesh = where.mesh(
-        tuple(size for _, size in axes), names, axis_types=(AxisType.Auto,) * len(axes)
-    )
-    # Every device takes its own rows: the fsdp axis is data-parallel too (ZeRO-3).
-    rows = len(where.devices)
-    if batch_size % rows:
-        raise ValueError(
-            f"batch_size {batch_size} must be a multiple of the number of devices ({rows}): "
-            "the token ids are split over every mesh axis."
-        )
-    quant = quant_config(quantize)
     model = eqx.filter_eval_shape(_abstract_lora_model, config, lora_config, dtype, quant)
     adapters, frozen = eqx.partition(model, lora.lora_filter(model))
     optimizer = adamw(1e-4, weight_decay=0.0)
     opt_state = jax.eval_shape(optimizer.init, adapters)
-    if "fsdp" in mesh.shape:
-        frozen = _placed(frozen, fsdp_shardings(frozen, mesh))
-        adapters = _placed(adapters, fsdp_shardings(adapters, mesh))
-        opt_state = _placed(opt_state, fsdp_shardings(opt_state, mesh))
-    else:
-        replicated = NamedSharding(mesh, PartitionSpec())
-        frozen, adapters, opt_state = (
-            _placed(t, jax.tree.map(lambda _: replicated, t)) for t in (frozen, adapters, opt_state)
-        )
-    ids = jax.ShapeDtypeStruct(
-        (batch_size, seq_len),
-        jnp.int32,
-        sharding=NamedSharding(mesh, PartitionSpec(names)),
-    )
+    frozen, adapters, opt_state = _on_mesh((frozen, adapters, opt_state), mesh)
     step = make_lora_step(optimizer, remat=remat)
     return memory.plan(step, frozen, adapters, opt_state, ids, None, target=where, donate=(1, 2))
+
+
+def plan_train_step(
+    config: MistralConfig,
+    target: "memory.Target | str",
+    *,
+    batch_size: int,
+    seq_len: int,
+    remat: bool = True,
+    mesh_axes: Sequence[tuple[str, int]] | None = None,
+    dtype: Any = jnp.bfloat16,
+) -> "memory.Plan":
+    """XLA's per-device memory plan of one full-parameter AdamW step of the decoder on a
+    target: every weight trained, as [`eqx_lean.hf.make_train_step`][] trains them.
+
+    ```python
+    config = eqx_lean.hf.MistralConfig.from_json("config.json")
+    print(eqx_lean.hf.plan_train_step(config, "8xh100", batch_size=8, seq_len=1024))
+    ```
+
+    The weights, their gradients and AdamW's two moments are all in `dtype` (pass
+    `jnp.float32` for float32 master weights) and fully sharded over the `fsdp` mesh axis, as
+    in [`eqx_lean.hf.plan_lora_step`][]; the token ids' rows are split over every mesh axis.
+    The weights and the optimizer state are donated (updated in place), as a training loop
+    does. The step is [`eqx_lean.memory.plan_train_step`][] of
+    [`eqx_lean.hf.next_token_loss`][]. Nothing is allocated.
+
+    **Arguments:**
+
+    - `config`: the decoder's configuration.
+    - `target`: a [`eqx_lean.memory.Target`][] or a spec for [`eqx_lean.memory.target`][].
+    - `batch_size`, `seq_len`: the token ids' shape, positive integers; `batch_size` must be a
+        multiple of the number of devices.
+    - `remat`: recompute each layer's activations in the backward pass.
+    - `mesh_axes`: as for [`eqx_lean.hf.plan_lora_step`][].
+    - `dtype`: the weights' dtype (and so their gradients' and moments').
+
+    **Returns:**
+
+    A [`eqx_lean.memory.Plan`][].
+    """
+    where, mesh, ids = check_step_arguments(target, batch_size, seq_len, mesh_axes)
+    remat = arguments.boolean(remat, "`remat`")
+    (model,) = _on_mesh((abstract_model(config, dtype),), mesh)
+    loss = functools.partial(next_token_loss, remat=remat)
+    optimizer = adamw(1e-4, weight_decay=0.0)
+    return memory.plan_train_step(loss, model, optimizer, ids, target=where)
