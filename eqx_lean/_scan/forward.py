@@ -335,7 +335,13 @@ def scan(
         recomputes one layer at a time (about one more forward pass). A
         `jax.checkpoint_policies` policy (a function `(primitive, *avals, **params) -> bool`,
         as `jax.checkpoint` calls it) keeps the carries and what the policy saves of each
-        layer. `"nested"` or an [`eqx_lean.NestedRemat`][] keeps the carries entering about
+        layer; a name-based policy (`jax.checkpoint_policies.save_only_these_names`,
+        `save_and_offload_only_these_names`, ...) selects the values the layer names with
+        `jax.ad_checkpoint.checkpoint_name`: to name the carry entering each layer, write
+        `carry = checkpoint_name(carry, "layer_input")` first thing in `call` (or in the
+        layer's `__call__`, as the HF decoder names its carry
+        [`eqx_lean.hf.LAYER_INPUT`][]). `"nested"` or an [`eqx_lean.NestedRemat`][] keeps the
+        carries entering about
         `√L` groups of layers and recomputes one group at a time, holding about `2√L` carries
         (see there for when that beats `True`). The values are the same whatever the choice.
     - `unroll`: how many layers each iteration of the underlying loop runs, as for
@@ -428,7 +434,8 @@ def fold(
         `layer(x, *args, **kwargs)`.
     - `num_layers`: the number of layers `L` the stack must have, checked against the leading
         axis of every array leaf; `None` (the default) takes `L` from the leaves.
-    - `remat`: gradient checkpointing, as for [`eqx_lean.scan`][].
+    - `remat`: gradient checkpointing, as for [`eqx_lean.scan`][] (a name-based policy selects
+        what the layer names with `jax.ad_checkpoint.checkpoint_name`, such as its input `x`).
     - `unroll`: as for [`eqx_lean.scan`][].
     - `key`: if given, split into `L` keys with `jax.random.split`, layer `i` receiving the
         `i`-th as the keyword argument `key=`.

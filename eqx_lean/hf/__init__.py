@@ -25,6 +25,7 @@ from ._generate import decode_step as decode_step, generate as generate, sample 
 from ._model import (
     DecoderBlock as DecoderBlock,
     KVCache as KVCache,
+    LAYER_INPUT as LAYER_INPUT,
     Mistral as Mistral,
     init as init,
     make_block as make_block,

@@ -15,6 +15,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
@@ -171,8 +172,19 @@ class MLP(eqx.Module):
         return _project(self.down_proj, gate * _project(self.up_proj, x, up_key), down_key)
 
 
+LAYER_INPUT = "decoder_layer_input"
+"""The name (`jax.ad_checkpoint.checkpoint_name`) of the hidden states entering each decoder
+layer: the carry of the decoder's scan over its layers. A name-based checkpoint policy given as
+`remat=` selects it, such as `jax.checkpoint_policies.save_only_these_names(LAYER_INPUT)` or
+`save_and_offload_only_these_names(names_which_can_be_offloaded=[LAYER_INPUT], ...)` (MaxText's
+name for the same tensor)."""
+
+
 class DecoderBlock(eqx.Module):
-    """One pre-norm decoder layer: attention then MLP, each with a residual connection."""
+    """One pre-norm decoder layer: attention then MLP, each with a residual connection.
+
+    Its input is named [`LAYER_INPUT`][eqx_lean.hf.LAYER_INPUT] for checkpoint policies.
+    """
 
     input_layernorm: RMSNorm
     self_attn: Attention
@@ -191,6 +203,7 @@ class DecoderBlock(eqx.Module):
         key: PRNGKeyArray | None = None,
     ) -> tuple[Float[Array, "batch seq hidden"], KV]:
         """One layer on `x`; `window` is its sliding window (`None`: full attention)."""
+        x = checkpoint_name(x, LAYER_INPUT)
         attn_key, mlp_key = _split_key(key, 2)
         attended, kv = self.self_attn(
             self.input_layernorm(x),
@@ -316,6 +329,7 @@ class Mistral(eqx.Module):
         *,
         remat: bool | None = None,
         key: PRNGKeyArray | None = None,
+        final_hidden: bool = False,
     ) -> tuple[Float[Array, "batch seq vocab"], KV | None]:
         if input_ids.ndim != 2:
             raise ValueError(f"`input_ids` must have shape [batch, seq]; got {input_ids.shape}.")
@@ -350,6 +364,8 @@ class Mistral(eqx.Module):
             self.layers, x, (past, layer_keys, layer_windows), call=call, remat=remat
         )
         x = self.norm(x)
+        if final_hidden:
+            return x, new_kv
         if self.lm_head is None:
             return linear_product(x, self.embed_tokens.weight), new_kv
         return _project(self.lm_head, x), new_kv
@@ -377,6 +393,32 @@ class Mistral(eqx.Module):
         positions = jnp.arange(input_ids.shape[1], dtype=jnp.int32)
         logits, _ = self._logits(input_ids, positions, None, None, remat=remat, key=key)
         return logits
+
+    def hidden_states(
+        self,
+        input_ids: Int[Array, "batch seq"],
+        *,
+        remat: Any = None,
+        key: PRNGKeyArray | None = None,
+    ) -> Float[Array, "batch seq hidden"]:
+        """The final hidden states of every position (after the final norm, before the head):
+        what a fused loss such as [`eqx_lean.nn.linear_cross_entropy`][] takes instead of the
+        logits.
+
+        **Arguments:**
+
+        As for calling the model.
+
+        **Returns:**
+
+        Hidden states of shape `[batch, seq, hidden]`, in the model's dtype; the logits are
+        `hidden_states @ head.T`, the head being `lm_head.weight` or, when tied, the embedding.
+        """
+        positions = jnp.arange(input_ids.shape[1], dtype=jnp.int32)
+        x, _ = self._logits(
+            input_ids, positions, None, None, remat=remat, key=key, final_hidden=True
+        )
+        return x
 
     def step(
         self, input_ids: Int[Array, "batch seq"], cache: KVCache

@@ -7,29 +7,84 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from .._core.sharding import resharded_like
+from ..nn import linear_cross_entropy
 from ._model import Mistral
+
+
+IGNORE_INDEX = -100
+"""The label of a position not trained on (HF's and torch's `ignore_index`)."""
 
 
 def next_token_loss(
     model: Mistral,
     input_ids: Int[Array, "batch seq"],
     *,
-    remat: bool = True,
+    labels: Int[Array, "batch seq"] | None = None,
+    remat: Any = True,
     key: PRNGKeyArray | None = None,
+    fused: bool = True,
+    chunk_bytes: int | None = None,
 ) -> Float[Array, ""]:
-    """Mean cross-entropy of predicting token `t+1` from tokens `<= t` (as HF's `labels`).
+    """Mean cross-entropy of predicting token `t+1` from tokens `<= t`, with HF's `labels`.
 
-    `key` is the model's training randomness (LoRA dropout); `None` for none.
+    By default the loss is [`eqx_lean.nn.linear_cross_entropy`][] on the model's final hidden
+    states: the `[batch, seq, vocab]` logits are never held whole, neither in the forward pass
+    nor in the gradient. A head that is not a plain linear layer (LoRA on `lm_head`, a
+    quantised head) is applied as the model does, materialising the logits.
+
+    **Arguments:**
+
+    - `model`: the decoder.
+    - `input_ids`: integer token ids `[batch, seq]`.
+    - `labels`: as HF's `labels=` (`ForCausalLMLoss`): the *unshifted* targets `[batch, seq]`,
+        usually `input_ids` with the positions not to train on (a prompt, padding) set to
+        `-100`; position `t` of the logits predicts `labels[:, t + 1]`. The loss is the mean
+        over the counted targets (those not `-100`), NaN when none is counted, as in
+        transformers. `None` means `input_ids` (every next token counted).
+    - `remat`: as for the model's call; `True` recomputes each block in the backward pass.
+    - `key`: the model's training randomness (LoRA dropout); `None` for none.
+    - `fused`: `False` computes the loss the textbook way (float32 logits, `log_softmax`): the
+        reference the fused loss is tested against.
+    - `chunk_bytes`: as for `linear_cross_entropy` (`None`: its default).
+
+    **Returns:**
+
+    The loss, a float32 scalar.
     """
-    logits = model(input_ids, remat=remat, key=key)[:, :-1].astype(jnp.float32)
-    targets = input_ids[:, 1:]
+    if labels is None:
+        labels = input_ids
+    if labels.shape != input_ids.shape or not jnp.issubdtype(labels.dtype, jnp.integer):
+        raise ValueError(
+            f"`labels` must be integers of `input_ids`' shape {input_ids.shape}; got "
+            f"{labels.dtype}{list(labels.shape)}."
+        )
+    # HF's shift: the targets move one position left, the last position predicts nothing.
+    ignored = jnp.full((labels.shape[0], 1), IGNORE_INDEX, labels.dtype)
+    targets = jnp.concatenate([labels[:, 1:], resharded_like(ignored, labels)], axis=1)
+    head = model.lm_head
+    if fused and (head is None or isinstance(head, eqx.nn.Linear)):
+        hidden = model.hidden_states(input_ids, remat=remat, key=key)
+        weight = model.embed_tokens.weight if head is None else head.weight
+        bias = None if head is None else head.bias
+        return linear_cross_entropy(
+            hidden,
+            weight,
+            targets,
+            bias=bias,
+            ignore_index=IGNORE_INDEX,
+            chunk_bytes=chunk_bytes,
+        )
+    logits = model(input_ids, remat=remat, key=key).astype(jnp.float32)
     log_probs = jax.nn.log_softmax(logits, axis=-1)
     # The target's log-probability as a masked sum over the vocabulary (one nonzero term: the
     # value `take_along_axis` would pick, exactly). Unlike a gather, it needs no output
     # sharding where the vocabulary is sharded over Explicit mesh axes.
     vocab = jnp.arange(log_probs.shape[-1], dtype=targets.dtype).reshape(1, 1, -1)
     picked = jnp.sum(jnp.where(vocab == targets[..., None], log_probs, 0.0), axis=-1)
-    return -jnp.mean(picked)
+    counted = targets != IGNORE_INDEX
+    total = -jnp.sum(jnp.where(counted, picked, 0.0))
+    return total / jnp.sum(counted, dtype=jnp.int32).astype(jnp.float32)
 
 
 def _import_optax() -> Any:
