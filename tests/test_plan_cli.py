@@ -23,7 +23,13 @@ import pytest
 from harness import TINY_DECODER, subprocess_env
 
 import eqx_lean
-from eqx_lean.hf import MistralConfig, plan_lora_step, plan_train_step
+from eqx_lean.hf import (
+    MistralConfig,
+    lora_config_of_rank,
+    plan_lora_step,
+    plan_train_step,
+    step_memory,
+)
 from eqx_lean.internal import memory_targets
 
 
@@ -315,6 +321,22 @@ def test_step_plans_refuse_bad_sizes_and_axes(planner, changed, error, expected,
     arguments: dict[str, Any] = dict(batch_size=8, seq_len=8) | changed
     with pytest.raises(error) as refused:
         planner(MistralConfig(**TINY_DECODER), "cpu", **arguments)
+    assert expected in str(refused.value)
+    assert compiles.count == 0
+
+
+@pytest.mark.parametrize(
+    "changed, error, expected",
+    [
+        (dict(batch_size=0), ValueError, "`batch_size` must be an integer of at least 1; got 0."),
+        (dict(batch_size=True), TypeError, "`batch_size` must be an integer"),
+        (dict(seq_len=-8), ValueError, "`seq_len` must be an integer of at least 1; got -8."),
+    ],
+)
+def test_step_memory_refuses_bad_sizes(changed, error, expected, compiles):
+    arguments: dict[str, Any] = dict(batch_size=2, seq_len=8) | changed
+    with pytest.raises(error) as refused:
+        step_memory(MistralConfig(**TINY_DECODER), lora_config_of_rank(RANK), **arguments)
     assert expected in str(refused.value)
     assert compiles.count == 0
 

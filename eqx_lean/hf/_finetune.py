@@ -26,7 +26,7 @@ from jax import lax
 from jax.sharding import PartitionSpec
 from jaxtyping import Array
 
-from .. import lora  # the module, not its names: see the note on annotations above
+from .. import _arguments as arguments, lora  # the module, not its names: see the note above
 from .._core import tree_bytes
 from .._core.sharding import explicit_type_sharding, mesh_axis_size
 from ..quant._linear import quantize_linears
@@ -285,6 +285,9 @@ def step_memory(
     backward pass, one layer's recomputed activations, float32 or sliced copies of weights,
     gradients), `output` and `alias` (output bytes written into donated inputs).
     """
+    # A batch of no rows or no tokens compiles and plans nothing.
+    batch_size = arguments.integer(batch_size, "`batch_size`", minimum=1)
+    seq_len = arguments.integer(seq_len, "`seq_len`", minimum=1)
     model = eqx.filter_eval_shape(_abstract_lora_model, config, lora_config, dtype)
     adapters, frozen = eqx.partition(model, lora.lora_filter(model))
     optimizer = adamw(1e-4, weight_decay=0.0)
