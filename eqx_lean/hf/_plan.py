@@ -194,7 +194,7 @@ def plan_train_step(
     *,
     batch_size: int,
     seq_len: int,
-    remat: bool = True,
+    remat: Any = True,
     mesh_axes: Sequence[tuple[str, int]] | None = None,
     dtype: Any = jnp.bfloat16,
 ) -> "memory.Plan":
@@ -219,7 +219,8 @@ def plan_train_step(
     - `target`: a [`eqx_lean.memory.Target`][] or a spec for [`eqx_lean.memory.target`][].
     - `batch_size`, `seq_len`: the token ids' shape, positive integers; `batch_size` must be a
         multiple of the number of devices.
-    - `remat`: recompute each layer's activations in the backward pass.
+    - `remat`: as for [`eqx_lean.hf.next_token_loss`][]: `True` recomputes each layer's
+        activations in the backward pass.
     - `mesh_axes`: as for [`eqx_lean.hf.plan_lora_step`][].
     - `dtype`: the weights' dtype (and so their gradients' and moments').
 
@@ -228,7 +229,6 @@ def plan_train_step(
     A [`eqx_lean.memory.Plan`][].
     """
     where, mesh, ids = check_step_arguments(target, batch_size, seq_len, mesh_axes)
-    remat = arguments.boolean(remat, "`remat`")
     (model,) = _on_mesh((abstract_model(config, dtype),), mesh)
     loss = functools.partial(next_token_loss, remat=remat)
     optimizer = adamw(1e-4, weight_decay=0.0)
