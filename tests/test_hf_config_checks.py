@@ -103,13 +103,19 @@ def test_generate_takes_a_cache_larger_than_needed(models):
 
 
 def test_generate_refuses_sizes_and_counts_that_are_not_positive_integers(models):
+    # The wrong kind is a TypeError, the wrong size a ValueError (`eqx_lean._arguments`).
     bad_sizes: list[Any] = [True, False, 0, -3, 2.5, "12", np.int64(0)]
     for bad in bad_sizes:
-        with pytest.raises(ValueError, match=r"`cache_size` must be None or a positive integer"):
+        with pytest.raises(
+            (TypeError, ValueError),
+            match=r"`cache_size` must be None or an integer of at least 1; got",
+        ):
             generate(models["full"], prompt(), NEW, cache_size=bad)
     bad_counts: list[Any] = [True, 0, 2.0]
     for bad in bad_counts:
-        with pytest.raises(ValueError, match=r"`max_new_tokens` must be a positive integer"):
+        with pytest.raises(
+            (TypeError, ValueError), match=r"`max_new_tokens` must be an integer of at least 1; got"
+        ):
             generate(models["full"], prompt(), bad)
 
 

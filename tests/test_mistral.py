@@ -22,7 +22,7 @@ from eqx_lean.hf import (
     save_hf,
     to_hf_state_dict,
 )
-from eqx_lean.internal import accumulated_product, linear_product
+from eqx_lean.internal import accumulated_product, jitted_decode_step, linear_product
 
 
 torch = pytest.importorskip("torch")
@@ -265,7 +265,7 @@ def test_decode_step_donates_cache(model):
     params, static = eqx.partition(model, eqx.is_array)
     cache = KVCache.empty(model.config, 2, 5, model.dtype)
     input_ids = jnp.zeros((2, 1), jnp.int32)
-    compiled = decode_step.lower(
+    compiled = jitted_decode_step.lower(
         params, cache, input_ids, None, static=static, temperature=0.0, top_k=None
     ).compile()
     cache_bytes = sum(x.nbytes for x in jax.tree.leaves(cache))

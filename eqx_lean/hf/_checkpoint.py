@@ -14,6 +14,7 @@ from jaxtyping import Array
 
 import eqx_lean
 
+from .. import _arguments as arguments
 from .._io.names import stored_layer_count
 from .._io.quantized import quant_config
 from .._io.safetensors import INDEX_FILE, WEIGHTS_FILE
@@ -497,7 +498,8 @@ def _with_generation_eos(
     checkpoint: eqx_lean.Checkpoint, path: str, config: MistralConfig
 ) -> MistralConfig:
     """`config` with `generation_config.json`'s `eos_token_id`, if the checkpoint has that file
-    (as `transformers`, whose `generate` reads the generation config, not `config.json`)."""
+    (as `transformers`, whose `generate` reads the generation config, not `config.json`), each
+    id checked to be a token of the vocabulary, and the file's text (which `save_hf` keeps)."""
     try:
         raw = checkpoint.file(_GENERATION)
     except KeyError:  # opened by the caller without it
@@ -514,16 +516,41 @@ def _with_generation_eos(
     if not isinstance(generation, dict):
         raise ValueError(f"{where} must hold a JSON object; got a {type(generation).__name__}.")
     eos = generation.get("eos_token_id")
-    if isinstance(eos, int):
-        eos = [eos]
     if eos is None:
         eos = []  # no end ids: transformers' `generate` then never stops
-    if not isinstance(eos, list) or not all(isinstance(e, int) for e in eos):
-        raise ValueError(
-            f"{where} must give `eos_token_id` as an integer, a list of integers or null; "
-            f"got {generation.get('eos_token_id')!r}."
-        )
-    return dataclasses.replace(config, generation_eos_token_id=tuple(eos))
+    ids = eos if isinstance(eos, list) else [eos]
+    what = f"`eos_token_id` in {where} (a token of the {config.vocab_size}-token vocabulary)"
+    if len(ids) > 1 or isinstance(eos, list):
+        what = f"each id of {what}"
+    checked = tuple(
+        arguments.integer(i, what, minimum=0, maximum=config.vocab_size - 1) for i in ids
+    )
+    return dataclasses.replace(
+        config,
+        generation_eos_token_id=checked,
+        generation_config_text=raw.decode("utf-8", errors="surrogateescape"),
+    )
+
+
+def _generation_file(config: MistralConfig) -> bytes:
+    """`generation_config.json` for a model of `config`: the file the checkpoint had, byte for
+    byte, while the model's stop ids are the ones it gave; else that file with the model's
+    stop ids in `eos_token_id`; else a new one with `config.json`'s `bos_token_id` and the
+    model's stop ids."""
+    stop = list(config.stop_token_ids)
+    eos: Any = stop[0] if len(stop) == 1 else (stop or None)
+    text = config.generation_config_text
+    if text is not None:
+        generation = json.loads(text)
+        held = generation.get("eos_token_id")
+        held = [] if held is None else held if isinstance(held, list) else [held]
+        if held == stop:
+            return text.encode("utf-8", errors="surrogateescape")
+        generation["eos_token_id"] = eos
+    else:
+        generation = {"bos_token_id": config.bos_token_id, "eos_token_id": eos}
+    # transformers' own layout (`GenerationConfig.to_json_string`).
+    return (json.dumps(generation, indent=2, sort_keys=True) + "\n").encode("utf-8")
 
 
 def save_hf(
@@ -541,10 +568,19 @@ def save_hf(
     the model exceeds `max_shard_bytes`, numbered shards and `model.safetensors.index.json`.
     One tensor (one layer's slice of a stacked leaf) is copied to host memory at a time.
 
-    The weights and `config.json` are one unit: they are written into a new directory beside
-    `path` that replaces `path` in one atomic step, so after a crash at any point `path` holds
-    exactly the old checkpoint or exactly the new one, config included. Other files in `path`
-    (tokenizer, generation config) are copied into the new directory; see
+    It also writes `generation_config.json`, so that the stop ids the model holds
+    (`model.config.stop_token_ids`, such as Llama-3-Instruct's `<|eot_id|>` beside
+    `<|end_of_text|>`) survive the save for `transformers` and [`load_hf`][]. For a model
+    loaded from a checkpoint with that file, the file is written back byte for byte while the
+    model's stop ids are the ones it gave; if they changed, the same file with the model's ids
+    as `eos_token_id` (transformers' JSON layout); for any other model, a new file with
+    `config.json`'s `bos_token_id` and the model's stop ids. A `generation_config.json` in
+    `files` is written as given instead.
+
+    The weights, `config.json` and `generation_config.json` are one unit: they are written
+    into a new directory beside `path` that replaces `path` in one atomic step, so after a
+    crash at any point `path` holds exactly the old checkpoint or exactly the new one, config
+    included. Other files in `path` (tokenizer) are copied into the new directory; see
     [`eqx_lean.save_stacked`][] for what a save owns, carries over and refuses.
 
     A model with LoRA adapters is refused unless `merge_adapters` is set: merge them first
@@ -563,7 +599,7 @@ def save_hf(
         error naming them, `"keep"` copies them, `"drop"` leaves them out.
     - `files`: more files for the same atomic directory, by name: their bytes, or a path to
         copy (such as the base checkpoint's tokenizer files). Not `config.json`, which this
-        writes.
+        writes; a `generation_config.json` given here replaces the one written from the model.
     - `merge_adapters`: write each LoRA adapter folded into its base weight, `W + scale * B A`
         in float32 rounded once to the weight's dtype (as [`merge_lora`][] computes it), as
         each layer is written. `model` is not changed. This is how adapters trained on a
@@ -593,6 +629,10 @@ def save_hf(
         model,
         _hf_name,
         max_shard_bytes=max_shard_bytes,
-        files={**(files or {}), "config.json": (json.dumps(config, indent=2) + "\n").encode()},
+        files={
+            _GENERATION: _generation_file(model.config),
+            **(files or {}),
+            "config.json": (json.dumps(config, indent=2) + "\n").encode(),
+        },
         other_weights=other_weights,
     )

@@ -70,9 +70,12 @@ class MistralConfig:
     tie_word_embeddings: bool = False
     layer_types: tuple[str, ...] | None = None
     # Generation metadata from `generation_config.json`, not the model's `config.json`: it
-    # changes no compiled program (`generate` applies it in Python) and `save_hf` does not
-    # write it, so equal models compare equal whatever generation file sits beside them.
+    # changes no compiled program (`generate` passes the ids as an array) and is not compared,
+    # so equal models compare equal whatever generation file sits beside them. `save_hf` writes
+    # that file from these ids, and the text it was read from (kept here) byte for byte while
+    # the ids are the ones it gave.
     generation_eos_token_id: tuple[int, ...] | None = dataclasses.field(default=None, compare=False)
+    generation_config_text: str | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         # Every field in its canonical Python type, checked before anything is built from it:

@@ -21,6 +21,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 import eqx_lean
 
+from .. import _arguments as arguments
 from .._core.sharding import explicit_type_sharding, like_last_axis, resharded_like
 from .._product import linear_product
 from ._config import MistralConfig
@@ -218,6 +219,12 @@ class DecoderBlock(eqx.Module):
         return x + self.mlp(self.post_attention_layernorm(x), key=mlp_key), kv
 
 
+_INT32_MAX = 2**31 - 1
+# No device holds a cache this large (256 TiB): a size that asks for one is a mistake, refused
+# with its arithmetic rather than failing in the allocator.
+_MAX_CACHE_BYTES = 2**48
+
+
 class KVCache(eqx.Module):
     """A fixed-size key/value cache for every layer, used as a ring buffer.
 
@@ -246,8 +253,9 @@ class KVCache(eqx.Module):
         **Arguments:**
 
         - `config`: the model's config (its layers, key/value heads and head size).
-        - `batch_size`: the sequences the cache holds.
-        - `size`: the slots per layer and sequence.
+        - `batch_size`: the sequences the cache holds, a positive integer.
+        - `size`: the slots per layer and sequence, a positive integer (positions are int32,
+            so at most `2**31 - 1`, and the whole cache under `2**48` bytes).
         - `dtype`: the keys' and values' dtype (the model's).
         - `out_sharding`: as for `jnp.zeros`: where the keys and values
             (`[layers, batch, size, kv_heads, head_dim]`) are placed, such as
@@ -259,8 +267,25 @@ class KVCache(eqx.Module):
 
         The empty [`KVCache`][].
         """
-        if size < 1:
-            raise ValueError(f"`size` must be a positive integer; got {size}.")
+        if not isinstance(config, MistralConfig):
+            raise TypeError(f"`config` must be a MistralConfig; got {type(config).__name__}.")
+        batch_size = arguments.integer(batch_size, "`batch_size`", minimum=1)
+        # Slot positions are int32, and a cache holds every slot of every layer at once.
+        size = arguments.integer(size, "`size`", minimum=1, maximum=_INT32_MAX)
+        per_slot = (
+            2
+            * config.num_hidden_layers
+            * batch_size
+            * config.num_key_value_heads
+            * config.resolved_head_dim
+            * jnp.dtype(dtype).itemsize
+        )
+        if size * per_slot > _MAX_CACHE_BYTES:
+            raise ValueError(
+                f"`size` must keep the cache's keys and values under {_MAX_CACHE_BYTES} bytes "
+                f"(2**48); got {size} slots of {per_slot} bytes each (both, every layer, the "
+                f"whole batch): {size * per_slot} bytes."
+            )
         shape = (
             config.num_hidden_layers,
             batch_size,

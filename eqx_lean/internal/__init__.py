@@ -163,6 +163,7 @@ from ..hf._data import (
     read_documents as read_documents,
 )
 from ..hf._finetune import _abstract_lora_model as abstract_lora_model
+from ..hf._generate import _decode_step as jitted_decode_step  # the public one's compiled core
 from ..hf._model import Decoder as Decoder, RMSNorm as RMSNorm
 from ..hf._rope import Llama3Rope as Llama3Rope, inverse_frequencies as inverse_frequencies
 
