@@ -347,6 +347,12 @@ def test_install_hints_name_the_checkout_s_extras():
     assert len(hints) >= 5, hints  # tqdm, optax, tokenizers (twice), matplotlib at least
     for where, hint in hints:
         assert "eqx_lean[" not in hint, (where, hint)
+        if re.search(r"pip install --no-deps --target \S+\s", hint):
+            # Planning's plugins into a directory of their own (eqx_lean/_memory/plugins.py):
+            # from the package index, the packages the `plan` extra brings, each pinned.
+            pinned = set(re.findall(r"\b(jax-cuda12-plugin|jax-cuda12-pjrt|libtpu)==", hint))
+            assert pinned == {"jax-cuda12-plugin", "jax-cuda12-pjrt", "libtpu"}, (where, hint)
+            continue
         named = re.findall(r'pip install "\.\[([\w,-]+)\]"', hint)
         assert named, f"{where}: {hint!r} names no extra of the checkout"
         assert "root of the eqx_lean checkout" in hint, (where, hint)

@@ -13,6 +13,7 @@ import jax
 from jax.sharding import Mesh
 
 from .. import _arguments as arguments
+from . import plugins
 
 
 _GPU_SPECS_DIR = Path(__file__).parent / "gpu_specs"
@@ -193,10 +194,16 @@ def target(spec: str, *, memory_fraction: float | None = None) -> Target:
     print(eqx_lean.memory.plan(step, params, batch, target=h100s))
     ```
 
-    GPUs need the `plan-gpu` extra (JAX's CUDA plugin, no NVIDIA libraries), TPUs the
-    `plan-tpu` extra (libtpu). The CUDA plugin compiles for GPUs it does not have only if the
-    process started with `JAX_PLATFORMS=cpu` (or `JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1`) set before
-    JAX's first computation; eqx_lean never sets either itself, and says so where one is missing.
+    GPUs need JAX's CUDA plugin (no NVIDIA libraries), TPUs libtpu, either in a directory of
+    their own that only planning loads (`pip install --no-deps --target .venv/plan-plugins
+    jax-cuda12-plugin==0.10.2 jax-cuda12-pjrt==0.10.2 "libtpu==0.0.42.*"`: `plan-plugins` in
+    the running environment, or the directory `EQX_LEAN_PLAN_PLUGINS` names), so that no other
+    JAX program in the environment meets them, or installed in the environment (the `plan-gpu`
+    and `plan-tpu` extras), where JAX starts them in every program. From the directory, a plan
+    starts the CUDA plugin itself, after JAX's backends, with nothing to set. Installed in the
+    environment, the CUDA plugin compiles for GPUs it does not have only if the process started
+    with `JAX_PLATFORMS=cpu` (or `JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1`) set before JAX's first
+    computation; eqx_lean never sets either itself, and says so where one is missing.
     `python -m eqx_lean.memory` runs a plan in a fresh process with them set.
 
     The same spec (and memory fraction) gives the same `Target` for the life of the process, so
@@ -381,6 +388,8 @@ def _topology_devices(platform: str, topology: str, **kwargs) -> tuple[Any, ...]
     from jax.experimental import topologies
 
     extra = "plan-gpu" if platform == "cuda" else "plan-tpu"
+    # Plugins kept in a directory of their own (`plugins.py`) become visible here only.
+    plugins.make_visible(platform)
     try:
         if platform == "cuda":
             desc = topologies.get_topology_desc(platform="cuda", topology=topology, **kwargs)
@@ -412,9 +421,7 @@ def _topology_devices(platform: str, topology: str, **kwargs) -> tuple[Any, ...]
 
 # Test seam: tests/test_targets.py says the plugin is missing.
 def _cuda_plugin_installed() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+    return plugins.available("cuda")
 
 
 def _missing_extra(extra: str) -> ImportError:
@@ -426,5 +433,8 @@ def _missing_extra(extra: str) -> ImportError:
     )
     return ImportError(
         f"Planning for {what}, which eqx_lean's `{extra}` extra installs, pinned to the JAX "
-        f"version eqx_lean is tested with: {hint}."
+        f"version eqx_lean is tested with: {hint}. That makes every JAX program in the "
+        "environment print CUDA and TPU errors at start; to keep them out of it, install both "
+        f"plugins into a directory of their own instead, which only planning loads: "
+        f"`{plugins.install_command()}` (or name another directory in {plugins.VARIABLE})."
     )

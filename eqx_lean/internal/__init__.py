@@ -123,11 +123,18 @@ from .._io.snapshot import RETRIES as OPEN_RETRIES
 # --- Memory: estimates, plans, targets, tables (`eqx_lean._memory`) --------------------------
 from .._memory import (
     estimates as memory_estimates,  # seam module: `_compile_side_by_side`
+    plugins as plan_plugins,  # seam module: `_importable`
     targets as memory_targets,  # seam module: `_cuda_plugin_installed`
 )
 from .._memory.estimates import (
     _eager_dispatches as eager_dispatches,
     _eager_peak as eager_peak,
+)
+from .._memory.plugins import (
+    DEFAULT_NAME as PLAN_PLUGINS_NAME,
+    VARIABLE as PLAN_PLUGINS_VARIABLE,
+    install_command as plan_plugins_install_command,
+    make_visible as make_plan_plugins_visible,
 )
 from .._memory.table import format_bytes as format_bytes
 from .._memory.targets import _TPUS as TPUS, _topology_devices as topology_devices
