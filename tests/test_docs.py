@@ -56,7 +56,7 @@ def _exports(module_file: pathlib.Path, qualname: str) -> list[str]:
 def _public_names() -> list[str]:
     names = _exports(ROOT / "eqx_lean" / "__init__.py", "eqx_lean")
     # The public subpackages re-export their names from their own `__init__.py`.
-    for package in ("memory", "quant", "lora", "hf"):
+    for package in ("memory", "quant", "lora", "hf", "nn"):
         names += _exports(ROOT / "eqx_lean" / package / "__init__.py", f"eqx_lean.{package}")
     return sorted(set(names))
 

@@ -1,0 +1,176 @@
+"""The fused linear + cross-entropy against materialised logits: XLA's plans, compile only.
+
+Cases (each prints one table row per method; nothing runs, nothing is allocated):
+
+- `loss`: `memory_analysis()` on XLA:CPU of the gradient of the loss with respect to the hidden
+    states and the head at 16,384 tokens x hidden 256 x vocab 128,256 (float32):
+    `eqx_lean.nn.linear_cross_entropy` against the textbook loss (float32 logits,
+    `log_softmax`), and the fused loss's temporaries for several `chunk_bytes`.
+- `decoder`: the adapter gradient of `eqx_lean.hf.next_token_loss` on a narrow Llama-3-shaped
+    decoder (hidden 256, 2 layers, vocab 128,256, LoRA rank 16 on all seven projections,
+    float32) at 1 x 2,048 and 1 x 16,384 tokens, `fused=True` against `fused=False` (XLA:CPU).
+    At 16,384 tokens the attention's `[heads, seq, seq]` scores dominate either way.
+- `plan8b`: `eqx_lean.hf.plan_lora_step` of a Llama-3.1-8B-shaped NF4 LoRA step (rank 16, all
+    seven projections, `remat=True`) for one compile-only H100 at 1 x 2,048 and 2 x 2,048 (the
+    `plan` extra; `JAX_PLATFORMS=cpu`). It plans whatever `eqx_lean` is imported: run it on an
+    older checkout (`PYTHONPATH=<checkout>`) for the figure before.
+
+    JAX_PLATFORMS=cpu python benchmarks/fused_loss.py loss decoder
+    JAX_PLATFORMS=cpu JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 CUDA_VISIBLE_DEVICES=-1 \\
+        python benchmarks/fused_loss.py plan8b
+"""
+
+import argparse
+import time
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+from eqx_lean import hf, lora
+
+
+MiB, GiB = 2**20, 2**30
+ALL_SEVEN = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def row(name: str, analysis: Any, seconds: float) -> None:
+    print(
+        f"| {name} | {analysis.temp_size_in_bytes / MiB:,.1f} MiB | "
+        f"{analysis.argument_size_in_bytes / MiB:,.1f} MiB | "
+        f"{analysis.output_size_in_bytes / MiB:,.1f} MiB | {seconds:.1f} s |",
+        flush=True,
+    )
+
+
+def compiled(f: Callable[..., Any], *shapes: Any) -> tuple[Any, float]:
+    start = time.perf_counter()
+    analysis = jax.jit(f).lower(*shapes).compile().memory_analysis()
+    return analysis, time.perf_counter() - start
+
+
+def textbook(hidden: Any, weight: Any, labels: Any) -> Any:
+    logits = jnp.einsum("...h,vh->...v", hidden, weight).astype(jnp.float32)
+    log_probs = jax.nn.log_softmax(logits, axis=-1)
+    counted = labels != -100
+    picked = jnp.take_along_axis(log_probs, jnp.where(counted, labels, 0)[..., None], axis=-1)
+    return -jnp.sum(jnp.where(counted, picked[..., 0], 0.0)) / jnp.sum(counted, dtype=jnp.float32)
+
+
+def loss_case() -> None:
+    from eqx_lean.nn import linear_cross_entropy
+
+    tokens, hidden, vocab = 16_384, 256, 128_256
+    shapes = (
+        jax.ShapeDtypeStruct((1, tokens, hidden), jnp.float32),
+        jax.ShapeDtypeStruct((vocab, hidden), jnp.float32),
+        jax.ShapeDtypeStruct((1, tokens), jnp.int32),
+    )
+    print(f"\ngradient w.r.t. hidden and head, {tokens} tokens x {hidden} x vocab {vocab}")
+    print("| loss | temporaries | arguments | outputs | compile |\n| --- | --- | --- | --- | --- |")
+    row("textbook (float32 logits, log_softmax)", *compiled(jax.grad(textbook, (0, 1)), *shapes))
+    for chunk_mib in (None, 16, 32, 128):
+        chunk = None if chunk_mib is None else chunk_mib * MiB
+
+        def fused(h: Any, w: Any, labels: Any, chunk: Any = chunk) -> Any:
+            return linear_cross_entropy(h, w, labels, chunk_bytes=chunk)
+
+        size = "default (64 MiB)" if chunk is None else f"{chunk_mib} MiB"
+        name = f"linear_cross_entropy, chunk_bytes={size}"
+        row(name, *compiled(jax.grad(fused, (0, 1)), *shapes))
+        if chunk is None:
+            row(name + ", hidden only", *compiled(jax.grad(fused), *shapes))
+
+
+NARROW = hf.MistralConfig(
+    vocab_size=128_256,
+    hidden_size=256,
+    intermediate_size=896,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    rope_theta=500_000.0,
+    sliding_window=None,
+    model_type="llama",
+    dtype="float32",
+)
+
+
+def decoder_case() -> None:
+    config = NARROW
+    lora_config = lora.LoraConfig(r=16, lora_alpha=32, target_modules=ALL_SEVEN)
+
+    def build() -> hf.Mistral:
+        base = hf.init(config, key=jax.random.key(0))
+        return lora.add_lora(base, lora_config, key=jax.random.key(1))
+
+    model = eqx.filter_eval_shape(build)
+    adapters, frozen = eqx.partition(model, lora.lora_filter(model))
+    print("\nadapter gradient of next_token_loss, narrow Llama-3 shape (4 heads), remat")
+    print("| loss | temporaries | arguments | outputs | compile |\n| --- | --- | --- | --- | --- |")
+    for seq in (2048, 16_384):
+        ids = jax.ShapeDtypeStruct((1, seq), jnp.int32)
+        for fused in (False, True):
+
+            def loss_of(adapters: Any, frozen: Any, ids: Any, fused: bool = fused) -> Any:
+                model = eqx.combine(adapters, frozen)
+                return hf.next_token_loss(model, ids, remat=True, fused=fused)
+
+            row(
+                f"1 x {seq}: next_token_loss(fused={fused})",
+                *compiled(jax.grad(loss_of), adapters, frozen, ids),
+            )
+
+
+LLAMA_8B = hf.MistralConfig(
+    vocab_size=128_256,
+    hidden_size=4096,
+    intermediate_size=14_336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    rope_theta=500_000.0,
+    sliding_window=None,
+    model_type="llama",
+)
+
+
+def plan8b_case() -> None:
+    lora_config = lora.LoraConfig(r=16, lora_alpha=32, target_modules=ALL_SEVEN)
+    print("\nplan_lora_step, Llama-3.1-8B shape, NF4 base, rank 16 x 7, remat=True, one H100")
+    print("| tokens | peak | temporaries | fits | plan |\n| --- | --- | --- | --- | --- |")
+    for batch, seq in ((1, 2048), (2, 2048)):
+        start = time.perf_counter()
+        plan = hf.plan_lora_step(
+            LLAMA_8B,
+            "h100",
+            batch_size=batch,
+            seq_len=seq,
+            lora_config=lora_config,
+            remat=True,
+            quantize="nf4",
+        )
+        seconds = time.perf_counter() - start
+        print(
+            f"| {batch} x {seq} | {plan.peak / GiB:.2f} GiB | "
+            f"{plan.temp / GiB:.2f} GiB | {plan.fits} | {seconds:.0f} s |",
+            flush=True,
+        )
+
+
+CASES = {"loss": loss_case, "decoder": decoder_case, "plan8b": plan8b_case}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    parser.add_argument("cases", nargs="*", default=["loss", "decoder"])
+    args = parser.parse_args()
+    print(f"jax {jax.__version__}, backend {jax.default_backend()}")
+    for name in args.cases:
+        CASES[name]()
+
+
+if __name__ == "__main__":
+    main()
