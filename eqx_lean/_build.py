@@ -10,7 +10,7 @@ import numpy as np
 from jax.sharding import Mesh
 from jaxtyping import Array, PRNGKeyArray
 
-from . import _core, _platform
+from . import _arguments as arguments, _core, _platform
 from ._core import DtypePolicy, LayerAxis, ShardingPolicy
 from .quant._sharding import check_layer_shardings
 
@@ -54,14 +54,13 @@ def allocate_stacked(
     A pytree of the same structure as `abstract_layer`, each array leaf replaced by zeros of shape
     `(num_layers, *leaf.shape)`; non-array leaves and static fields are kept.
     """
-    if not isinstance(num_layers, int | np.integer) or num_layers < 1:
-        raise ValueError(f"`num_layers` must be a positive integer; got {num_layers!r}.")
+    num_layers = arguments.integer(num_layers, "`num_layers`", minimum=1)
     layout = _core.Layout.of(abstract_layer)
-    structs = _core.stacked_structs(layout, int(num_layers), _core.check_dtype_policy(dtype))
+    structs = _core.stacked_structs(layout, num_layers, _core.check_dtype_policy(dtype))
     per_layer = tuple(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in layout.structs)
     shardings = _core.resolve_shardings(sharding, mesh, layout.paths, per_layer, layout.treedef)
     found = _core.mesh_of(mesh, shardings)
-    axes = _core.check_layer_axis(layer_axis, found, int(num_layers))
+    axes = _core.check_layer_axis(layer_axis, found, num_layers)
     stacked = _core.stacked_shardings(layout.paths, shardings, axes, found)
     return layout.combine(_core.allocate(structs, stacked))
 

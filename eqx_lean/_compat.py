@@ -190,3 +190,34 @@ def primitive_rules() -> PrimitiveRules | None:
     lets JAX derive the transpose).
     """
     return _find_primitive_rules() if private_jax_allowed() else None
+
+
+# --- refusing a type as a JAX value -------------------------------------------------------------
+
+
+def refuse_as_jax_value(cls: type, refusal: Callable[[Any], Exception]) -> bool:
+    """Has JAX raise `refusal(x)` when a primitive (`jax.lax.dot`, `jax.lax.add`, ...) is given
+    an `x` of type `cls`, by JAX's handler of how an argument becomes a JAX value
+    (`jax._src.dtypes.register_canonicalize_value_handler`, not public). JAX raises it as the
+    cause of its own "Error interpreting argument to dot_general as a JAX value", so a
+    traceback shows the caller's sentence. Registered once, at import: `without_private_jax`
+    does not undo it. Returns whether it was registered.
+
+    Fallback: none registered; JAX's own `TypeError` (the argument's type "is not a valid JAX
+    type").
+    """
+    if not private_jax_allowed():
+        return False
+    try:
+        from jax._src import dtypes
+    except ImportError:
+        return False
+    register = getattr(dtypes, "register_canonicalize_value_handler", None)
+    if register is None:
+        return False
+
+    def handler(x: Any) -> Any:
+        raise refusal(x)
+
+    register(cls, handler)
+    return True

@@ -10,11 +10,14 @@ evicting and recompiling.
 import hashlib
 import os
 import platform
+import stat
 import tempfile
 from pathlib import Path
 
 import jax
 from jax.experimental.compilation_cache import compilation_cache
+
+from . import _arguments as arguments
 
 
 ENV = "EQX_LEAN_COMPILATION_CACHE"
@@ -78,9 +81,28 @@ def _why_not_a_directory(error: OSError) -> str:
     return f"{name} could not be created ({error.strerror})"
 
 
-def _check_directory(path: Path, source: str, remedy: str) -> None:
+def _others_can_write(path: Path) -> str | None:
+    """Why users other than this process's could write entries in the directory `path`, or
+    `None`: it belongs to another user (who can always make it writable), or its group or
+    everyone may write in it. A sticky bit (as on `/tmp`) does not help a cache: it keeps
+    others from replacing entries, not from writing the entry a later program will look for
+    before this process does."""
+    info = path.stat()
+    if info.st_uid != os.geteuid():
+        return (
+            f"it belongs to another user (uid {info.st_uid}; this process runs as {os.geteuid()})"
+        )
+    writable = info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+    if writable:
+        who = "everyone" if writable & stat.S_IWOTH else "its group"
+        return f"{who} may write in it (mode {stat.S_IMODE(info.st_mode):04o})"
+    return None
+
+
+def _check_directory(path: Path, source: str, remedy: str, shared: bool = False) -> None:
     """Creates `path` (mode 0700) if missing, then checks this process can list it and write a
-    file in it, as JAX's cache will: else raises an `OSError` saying so, before JAX is told.
+    file in it, as JAX's cache will, and (unless `shared`) that no other user can write in it:
+    else raises an `OSError` saying so, before JAX is told.
 
     JAX itself only warns, for every program it compiles, when it cannot write an entry, and
     `mkdir` fails with a bare error naming a parent, or nothing of the cache at all."""
@@ -103,9 +125,24 @@ def _check_directory(path: Path, source: str, remedy: str) -> None:
         os.unlink(probe)
     except OSError as e:
         raise refuse(f"{e.filename or path} could not be read or written ({e.strerror})") from e
+    # Refused, not warned of: JAX runs what it reads from the cache as this process's own
+    # compiled code, so a directory another user can write in lets that user run their program
+    # as this one (and a warning printed once per run is easily missed in a training log).
+    # Whoever does share a cache with users they trust says so with `shared=True`.
+    others = None if shared else _others_can_write(path)
+    if others is not None:
+        raise OSError(
+            f"The compilation cache's directory {path} ({source}) must be writable by this user "
+            f"alone, but {others}: a program another user writes there would be run by this "
+            f"process as its own. Make it yours alone (`chmod 700 {path}`), or pass "
+            f"`shared=True` to use_compilation_cache if you trust everyone who can write in "
+            f"it. {remedy}"
+        )
 
 
-def use_compilation_cache(directory: str | os.PathLike | None = None) -> Path | None:
+def use_compilation_cache(
+    directory: str | os.PathLike | None = None, *, shared: bool = False
+) -> Path | None:
     """Turns on JAX's persistent compilation cache, so that a second run compiles nothing.
 
     The `python -m examples.mistral7b` commands call it (pass `--no-compilation-cache` to
@@ -126,11 +163,13 @@ def use_compilation_cache(directory: str | os.PathLike | None = None) -> Path | 
     to clear such entries. The cache is trusted code: keep it in a directory only you can write
     (it is created with mode 0700). Where JAX's own cache was already set up
     (`JAX_COMPILATION_CACHE_DIR` or `jax.config.update("jax_compilation_cache_dir", ...)`),
-    that setting is kept.
+    that setting is kept, and checked as any other.
 
     The directory is checked first: it is created if missing, and it must be a directory this
-    process can list and write files in. Otherwise this raises an `OSError` naming it and what
-    is wrong (a file in the way, a dangling symbolic link, no permission), and leaves JAX's
+    process can list and write files in, and that no other user can write in (owned by this
+    user, not writable by its group or by everyone, sticky bit or not). Otherwise this raises
+    an `OSError` naming it and what is wrong (a file in the way, a dangling symbolic link, no
+    permission, another user's directory or one others may write in), and leaves JAX's
     configuration as it was, so a caller that wants to run uncached instead can catch it, as
     the `python -m examples.mistral7b` commands do.
 
@@ -140,6 +179,9 @@ def use_compilation_cache(directory: str | os.PathLike | None = None) -> Path | 
         `EQX_LEAN_COMPILATION_CACHE` if set (`0`, `off`, `false` or `no` turn the cache off),
         else `$XDG_CACHE_HOME/eqx_lean/xla/<machine>` (`~/.cache/...`), one directory per
         platform, device kind and (for CPU programs) host instruction set.
+    - `shared`: use a directory that other users can write in (another user's, or one its
+        group or everyone may write in). Only for a cache shared with users you trust: JAX
+        runs what it reads there as this process's own code.
 
     **Returns:**
 
@@ -147,15 +189,25 @@ def use_compilation_cache(directory: str | os.PathLike | None = None) -> Path | 
 
     **Raises:**
 
-    `OSError` if the directory is not one this process can create, list and write files in.
+    `OSError` if the directory is not one this process can create, list and write files in,
+    or (without `shared=True`) other users can write in it.
     """
+    shared = arguments.boolean(shared, "`shared`")
     configured = jax.config.jax_compilation_cache_dir  # pyright: ignore[reportAttributeAccessIssue]
     if directory is None:
         setting = os.environ.get(ENV)
         if setting is not None and setting.strip().lower() in _OFF:
             return None
         if configured:
-            return Path(configured)
+            # JAX's own setting, kept; checked as any other, since JAX reads it all the same.
+            path = Path(configured).expanduser()
+            _check_directory(
+                path,
+                "JAX's jax_compilation_cache_dir, or JAX_COMPILATION_CACHE_DIR",
+                "Set JAX_COMPILATION_CACHE_DIR (or jax_compilation_cache_dir) elsewhere.",
+                shared,
+            )
+            return path
         if setting:
             directory, source = setting, f"from {ENV}"
         else:
@@ -165,7 +217,7 @@ def use_compilation_cache(directory: str | os.PathLike | None = None) -> Path | 
         source = "passed to use_compilation_cache"
         remedy = "Pass another directory."
     path = Path(directory).expanduser()
-    _check_directory(path, source, remedy)
+    _check_directory(path, source, remedy, shared)
     jax.config.update("jax_compilation_cache_dir", str(path))
     # JAX caches only programs that took a second to compile by default: a run's dozens of
     # small programs (loads, writes, updates) would all compile again.

@@ -433,9 +433,11 @@ def test_allocate_stacked_from_concrete_layer_keeps_dtypes():
             assert jax.typeof(a) == jax.typeof(b)
 
 
-@pytest.mark.parametrize("num_layers", [0, -1, 2.0])
-def test_allocate_stacked_bad_num_layers(num_layers):
-    with pytest.raises(ValueError, match="`num_layers` must be a positive integer"):
+@pytest.mark.parametrize(
+    "num_layers, error", [(0, ValueError), (-1, ValueError), (2.0, TypeError), (True, TypeError)]
+)
+def test_allocate_stacked_bad_num_layers(num_layers, error):
+    with pytest.raises(error, match="`num_layers` must be an integer of at least 1; got"):
         eqx_lean.allocate_stacked(make_mlp(jax.random.key(0)), num_layers)
 
 

@@ -141,9 +141,9 @@ def test_quantize_errors():
         quantize(jnp.ones((4, 4)), "nf3")  # pyright: ignore[reportArgumentType]
     with pytest.raises(TypeError, match="floating array `x`"):
         quantize(jnp.ones((4, 4), jnp.int32))
-    with pytest.raises(ValueError, match="batch_dims must be an integer from 0 to x.ndim=2"):
+    with pytest.raises(ValueError, match=r"`batch_dims` must be an integer from 0 to 2; got 3\."):
         quantize(jnp.ones((4, 4)), batch_dims=3)
-    with pytest.raises(ValueError, match="blocksize must be a positive integer"):
+    with pytest.raises(ValueError, match=r"`blocksize` must be an integer of at least 1; got 0\."):
         quantize(jnp.ones((4, 4)), blocksize=0)
     with pytest.raises(ValueError, match="int8 needs tensors of at least one axis"):
         quantize(jnp.ones((4,)), "int8", batch_dims=1)

@@ -121,7 +121,11 @@ def test_num_layers_that_matches_changes_nothing():
 )
 def test_num_layers_itself_is_checked(bad, error):
     stacked = stack_of(StaticScaled)
-    with pytest.raises(error, match=r"`num_layers` must be None or a positive int.*got"):
+    with pytest.raises(
+        error,
+        match=r"`num_layers` \(the number of stacked layers\) must be None or an integer of at "
+        r"least 1; got",
+    ):
         eqx_lean.fold(stacked, jnp.ones(DIM), num_layers=bad)
 
 

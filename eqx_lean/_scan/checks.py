@@ -6,9 +6,9 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from .. import _arguments as arguments
 from .._core import num_layers_of_stack
 from .._core.layout import leaf_struct, stack_leaf_name
 from .._core.sharding import axis_names, mesh_axis_size
@@ -16,18 +16,7 @@ from .._core.sharding import axis_names, mesh_axis_size
 
 def check_num_layers(num_layers: Any) -> None:
     """Refuses a `num_layers=` that is not `None` or a positive int."""
-    if num_layers is None:
-        return
-    if isinstance(num_layers, bool | np.bool_) or not isinstance(num_layers, int | np.integer):
-        raise TypeError(
-            "`num_layers` must be None or a positive int, the number of stacked layers; got "
-            f"{num_layers!r}."
-        )
-    if num_layers < 1:
-        raise ValueError(
-            "`num_layers` must be None or a positive int, the number of stacked layers; got "
-            f"{num_layers}."
-        )
+    arguments.optional_integer(num_layers, "`num_layers` (the number of stacked layers)", minimum=1)
 
 
 def check_layer_axis_replicated(dynamic: Any) -> None:
@@ -89,15 +78,38 @@ def check_stacked(stacked: Any) -> None:
         return
     if not all(isinstance(x, eqx.Module) for x in stacked):
         return
-    if isinstance(stacked, tuple):
-        # A tuple of stacked modules is a valid pytree; a tuple of separate layers is not.
+    if isinstance(stacked, tuple) and not _like_separate_layers(stacked):
+        # A tuple of stacked modules of different kinds is a valid pytree.
         try:
             num_layers_of_stack(eqx.filter(stacked, eqx.is_array))
             return
         except ValueError:
             pass
     raise TypeError(
-        f"`stacked` must be one module whose array leaves carry a leading layer axis; got a "
+        f"`stacked` must be one module whose array leaves carry a leading layer axis (built by "
+        "`eqx_lean.build_stacked` or `eqx.filter_vmap(make_layer)(keys)`); got a "
         f"{type(stacked).__name__} of {len(stacked)} separate layers. Stack them first with "
-        "`eqx_lean.stack(layers)` (or build them with `eqx_lean.build_stacked`)."
+        "`eqx_lean.stack(layers)` (or build them with `eqx_lean.build_stacked`). To go through "
+        "several stacks of one kind of layer together, pass them in a dict, "
+        "`{'a': stack_a, 'b': stack_b}`."
     )
+
+
+def _like_separate_layers(modules: tuple[Any, ...]) -> bool:
+    """Whether `modules` look like layers made one by one: two or more distinct modules of one
+    type, one structure and the same shapes and dtypes. Such a tuple reads as a stack whenever
+    each layer's leaves share their first dimension (a square `eqx.nn.Linear` with its bias),
+    and `fold` would then go through the rows of the weights as layers. Stacks of one kind can
+    look the same: they are passed in a dict instead (the message says so). The same module
+    twice is not layers made one by one, and stays a tuple of stacks."""
+    if len(modules) < 2 or all(m is modules[0] for m in modules):
+        return False
+    if len({type(m) for m in modules}) != 1:
+        return False
+
+    def arrays(module: Any) -> tuple[Any, list[tuple[Any, Any]]]:
+        leaves, treedef = jax.tree.flatten(eqx.filter(module, eqx.is_array))
+        return treedef, [(leaf.shape, leaf.dtype) for leaf in leaves]
+
+    first = arrays(modules[0])
+    return all(arrays(m) == first for m in modules[1:])

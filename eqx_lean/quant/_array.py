@@ -11,6 +11,8 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array, Float
 
+from .. import _arguments as arguments
+from .._compat import refuse_as_jax_value
 from ._dynamic8 import dynamic8_decode, dynamic8_encode
 from ._int8 import int8_decode, int8_encode
 from ._nf4 import nf4_decode, nf4_encode, num_blocks
@@ -116,7 +118,10 @@ class QuantizedArray(eqx.Module):
     slices with `jax.tree.map`, and passes through `jax.jit`; `dequantize` gives the values.
 
     It is not an array: only [`eqx_lean.quant.QuantizedLinear`][] computes with it. Any other
-    use (`w @ x`, `jnp.asarray(w)`, `w * 2`) raises a `TypeError` naming the weight. Its
+    use (`w @ x`, `jnp.asarray(w)`, `jax.lax.dot(w, x)`, `w * 2`, `w.T`, `w.reshape(...)`,
+    `w < 0`, `w == 0`, `len(w)`, `float(w)`, `bool(w)`) raises a `TypeError` naming the weight
+    and what it supports; `w.dequantize()` gives a dense array to compute with. `==` between
+    two QuantizedArrays is Equinox's equality of modules (`eqx.tree_equal`). Its
     float32 scales are stored as `uint32` bit patterns, so it holds no inexact leaf: gradients
     (`eqx.filter_grad`, `fold`'s backward), optimizers and `eqx.is_inexact_array` filters pass
     it by as frozen, with no gradient buffer.
@@ -203,18 +208,83 @@ class QuantizedArray(eqx.Module):
 
         return batched(decode, batch)(self.codes, self.scales)
 
-    def _refuse(self, *_: Any, **__: Any) -> Any:
-        label = f"`{self.name}`" if self.name else "This QuantizedArray"
-        raise TypeError(
-            f"{label} is a {self.scheme}-quantised weight of shape {self.shape}, not an array: "
-            "only eqx_lean.quant.QuantizedLinear (or a LoRA adapter on one) computes with it. "
-            "Quantise only linear layers that the model calls (`quantize_linears`), or call "
-            "`.dequantize()` for its values."
+    def _not_an_array(self, use: str) -> TypeError:
+        label = f"`{self.name}`" if self.name else "this QuantizedArray"
+        return TypeError(
+            f"{use} is not supported: {label} is a {self.scheme}-quantised weight of shape "
+            f"{self.shape}, not an array: only eqx_lean.quant.QuantizedLinear (or a LoRA adapter "
+            "on one) computes with it. A QuantizedArray supports only `.dequantize(dtype)` (its "
+            "values, as a dense array to compute with: `q.dequantize().T`), `.shape`, `.ndim`, "
+            "`.dtype`, `.nbytes`, `.scales` and pytree operations (`jax.tree.map`, `jax.jit`, "
+            "`eqx.filter_jit`, `eqx.tree_equal`, `==` between two QuantizedArrays). Quantise "
+            "only linear layers that the model calls (`quantize_linears`)."
         )
 
-    __jax_array__ = __array__ = _refuse
-    __matmul__ = __rmatmul__ = __mul__ = __rmul__ = __add__ = __radd__ = _refuse
-    __sub__ = __rsub__ = __truediv__ = __getitem__ = __neg__ = astype = _refuse
+    @staticmethod
+    def _refusing(use: str) -> Any:
+        def refuse(self: "QuantizedArray", *_: Any, **__: Any) -> Any:
+            raise self._not_an_array(use)
+
+        return refuse
+
+    # A property, not a method: `jnp.asarray` and friends read it with `hasattr`, which passes
+    # this `TypeError` on (an `AttributeError` it would swallow), and JAX's primitives
+    # (`jax.lax.dot`), which refuse any object that has a `__jax_array__` method with a
+    # `ValueError` telling the user to convert it with `jnp.array`, find none and give a
+    # `TypeError` naming the type instead, caused by this class's sentence (registered below).
+    # `eqx.is_array_like` of a QuantizedArray raises it too, rightly: it is no array.
+    @property
+    def __jax_array__(self) -> Any:
+        raise self._not_an_array("Converting it to a JAX array")
+
+    __array__ = _refusing("Converting it to a NumPy array")
+    __matmul__ = __rmatmul__ = _refusing("`@`")
+    __mul__ = __rmul__ = _refusing("`*`")
+    __add__ = __radd__ = _refusing("`+`")
+    __sub__ = __rsub__ = _refusing("`-`")
+    __truediv__ = __rtruediv__ = _refusing("`/`")
+    __floordiv__ = __rfloordiv__ = __mod__ = __rmod__ = _refusing("`//` or `%`")
+    __pow__ = __rpow__ = _refusing("`**`")
+    __neg__ = __pos__ = __abs__ = __invert__ = _refusing("A unary operator (`-`, `+`, `abs`, `~`)")
+    __lt__ = __le__ = __gt__ = __ge__ = _refusing("Comparing it (`<`, `<=`, `>`, `>=`)")
+    __getitem__ = _refusing("Indexing it")
+    __len__ = _refusing("`len`")
+    __bool__ = _refusing("`bool` (or `if`, `and`, `or`)")
+    __float__ = __int__ = __complex__ = __index__ = _refusing("Converting it to a Python number")
+    astype = _refusing("`.astype`")
+    reshape = _refusing("`.reshape`")
+    transpose = _refusing("`.transpose`")
+    ravel = flatten = squeeze = swapaxes = _refusing("Reshaping it")
+    sum = mean = max = min = _refusing("Reducing it")
+    item = tolist = _refusing("Reading its values")
+
+    @property
+    def T(self) -> Any:
+        raise self._not_an_array("`.T`")
+
+    @property
+    def mT(self) -> Any:
+        raise self._not_an_array("`.mT`")
+
+    @property
+    def at(self) -> Any:
+        raise self._not_an_array("`.at`")
+
+    def __eq__(self, other: object, /) -> Any:
+        """Equinox's equality of modules (`eqx.tree_equal`, one bool), which JAX and Equinox
+        use for static fields and caches; compared with an array or a number, a `TypeError`:
+        a QuantizedArray has no elements to compare."""
+        if isinstance(other, jax.Array | np.ndarray | np.generic | int | float | complex):
+            raise self._not_an_array("Comparing it with `==` or `!=` to an array or a number")
+        return super().__eq__(other)
+
+    # Defining `__eq__` drops the inherited hash: keep Equinox's (static fields, jit caches).
+    __hash__ = eqx.Module.__hash__
+
+
+refuse_as_jax_value(
+    QuantizedArray, lambda q: q._not_an_array("Passing it to a JAX primitive (`jax.lax.dot`, ...)")
+)
 
 
 def quantize(
@@ -245,8 +315,12 @@ def quantize(
     computes them, where XLA:CPU would flush them to zero). Non-finite values are quantised as
     bitsandbytes quantises them, not refused: an NF4 block holding a NaN decodes to NaN, and
     one holding an infinity decodes to NaN but for its infinities, which decode to `+inf`
-    whatever their sign. Decoding is plain float32 arithmetic: a decoded value below 2^-126
-    (in an NF4 block whose scale is below about 2^-122) is zero on XLA:CPU, which flushes it.
+    whatever their sign; an int8 channel holding a NaN or an infinity has a NaN or infinite
+    scale and codes 0, and decodes to NaN throughout (bitsandbytes' `int8_vectorwise_quant`).
+    An int8 tensor with no output channels (shape `(0, n)`) gives an empty QuantizedArray, as
+    bitsandbytes does; channels with no values are refused. Decoding is plain float32
+    arithmetic: a decoded value below 2^-126 (in an NF4 block whose scale is below about
+    2^-122) is zero on XLA:CPU, which flushes it.
     The details are in `eqx_lean.quant._nf4` and `eqx_lean.quant._int8`.
 
     **Arguments:**
@@ -276,15 +350,12 @@ def quantize(
         raise TypeError(
             f"quantize needs a floating array `x`, got {getattr(x, 'dtype', type(x).__name__)}."
         )
-    if not isinstance(batch_dims, int) or not 0 <= batch_dims <= x.ndim:
-        raise ValueError(
-            f"batch_dims must be an integer from 0 to x.ndim={x.ndim}, got {batch_dims!r}."
-        )
+    batch_dims = arguments.integer(batch_dims, "`batch_dims`", minimum=0, maximum=x.ndim)
+    # Checked for int8 too, which does not use it: `blocksize=True` is a mistake either way.
+    blocksize = arguments.integer(blocksize, "`blocksize`", minimum=1)
     shape = tuple(x.shape[batch_dims:])
     source_dtype = np.dtype(x.dtype)
     if scheme == "nf4":
-        if not isinstance(blocksize, int) or blocksize < 1:
-            raise ValueError(f"blocksize must be a positive integer, got {blocksize!r}.")
         if not shape or 0 in shape:
             raise ValueError(f"nf4 needs tensors with values; x's tensors have shape {shape}.")
     else:
@@ -294,6 +365,15 @@ def quantize(
             raise ValueError(
                 "int8 needs tensors of at least one axis (the output channels) after the "
                 f"batch axes; x has shape {x.shape} with batch_dims={batch_dims}."
+            )
+        if 0 in shape[1:]:
+            # No output channel is fine (an empty QuantizedArray, as bitsandbytes'
+            # `int8_vectorwise_quant` gives for shape (0, n)); a channel of no values has no
+            # scale, and bitsandbytes fails on it (a `ZeroDivisionError`).
+            raise ValueError(
+                f"int8 needs output channels with values: `x` (shape {tuple(x.shape)}, "
+                f"batch_dims={batch_dims}) has tensors of shape {shape}, whose channels (the "
+                "first axis) hold no values; a channel's scale is its largest magnitude."
             )
         blocksize = 0
     codes, stored = _encoded(x, scheme, blocksize, bool(double_quant), batch_dims)

@@ -13,6 +13,7 @@ platform flushes (XLA:CPU).
 """
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -29,12 +30,18 @@ def int8_encode(
 ) -> tuple[Int8[Array, " out *rest"], Float[Array, " out"]]:
     """One weight's int8 codes and float32 per-output-channel scales."""
     values = x.astype(jnp.float32)
-    rows = values.reshape(values.shape[0], -1)
+    # The row length spelled out, not -1: a weight with no rows (shape (0, n)) has one.
+    rows = values.reshape(values.shape[0], math.prod(values.shape[1:]))
     absmax = largest_magnitude(rows)
     # Compared as bits: XLA:CPU reads a subnormal as zero.
     positive = lax.bitcast_convert_type(absmax, jnp.uint32) > 0
     scales = jnp.where(positive, multiply_exactly(absmax, 1 / 127), np.float32(1))
-    codes = jnp.clip(jnp.round(scale_rows(rows, scales, reciprocal=False)), -127, 127)
+    scaled = jnp.round(scale_rows(rows, scales, reciprocal=False))
+    # A row holding a NaN or an infinity has a NaN or infinite scale, and its values scale to
+    # NaN (x / NaN, inf / inf) or 0: codes 0 throughout, as bitsandbytes' `int8_vectorwise_quant`
+    # gives them on CPU, chosen here rather than left to the float-to-int conversion of a NaN.
+    # The row decodes to NaN (0 times a NaN or an infinity), as bitsandbytes' does.
+    codes = jnp.clip(jnp.where(jnp.isnan(scaled), np.float32(0), scaled), -127, 127)
     codes = codes.astype(jnp.int8)
     return codes.reshape(x.shape), scales
 
@@ -51,6 +58,7 @@ def int8_decode(
     subnormal = exponent == 0
     scaled = jnp.where(subnormal, up_exactly(scales), scales)
     after = jnp.where(subnormal, np.float32(2.0**-64), np.float32(1))
-    rows = codes.reshape(codes.shape[0], -1).astype(jnp.float32) * scaled[:, None]
+    width = math.prod(codes.shape[1:])
+    rows = codes.reshape(codes.shape[0], width).astype(jnp.float32) * scaled[:, None]
     rows = rows * after[:, None]
     return rows.astype(dtype).reshape(codes.shape)

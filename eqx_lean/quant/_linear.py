@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
+from .. import _arguments as arguments
 from .._product import linear_product
 from .._targets import ALL_LINEAR, canonical_targets, dotted, matches, unmatched_entries
 from ._array import QuantizedArray, Scheme, quantize
@@ -49,9 +50,10 @@ class QuantConfig:
     def __post_init__(self):
         if self.scheme not in ("nf4", "int8"):
             raise ValueError(f"`scheme` must be 'nf4' or 'int8'; got {self.scheme!r}.")
-        size = self.blocksize
-        if isinstance(size, bool) or not isinstance(size, int) or size < 2 or size % 2:
+        size = arguments.integer(self.blocksize, "`blocksize`", minimum=2)
+        if size % 2:
             raise ValueError(f"`blocksize` must be an even integer of at least 2; got {size!r}.")
+        object.__setattr__(self, "blocksize", size)
         if not isinstance(self.double_quant, bool):
             raise ValueError(f"`double_quant` must be True or False; got {self.double_quant!r}.")
         if self.double_quant and self.scheme != "nf4":

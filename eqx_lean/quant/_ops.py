@@ -11,6 +11,7 @@ power-of-two rescalings, on every platform. They serve the encoders, which run o
 weight; decoding, which runs at every product, stays plain float32 arithmetic.
 """
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -51,7 +52,7 @@ def one_by_one(fn: Callable[[Array], Any], x: Array, batch_dims: int) -> Any:
     if batch_dims == 0:
         return fn(x)
     batch = x.shape[:batch_dims]
-    flat = x.reshape((-1, *x.shape[batch_dims:]))
+    flat = x.reshape((math.prod(batch), *x.shape[batch_dims:]))  # not -1: 0 values reshape too
     out = jax.lax.map(fn, flat)
     return jax.tree.map(lambda o: o.reshape(batch + o.shape[1:]), out)
 
