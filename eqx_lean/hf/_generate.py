@@ -425,7 +425,8 @@ def generate(
         it would overwrite keys a layer still attends to: a model with any full-attention
         layer (Qwen2's mixed `layer_types` included) needs the whole sequence, a
         sliding-window model its window.
-    - `return_logits`: also return the logits each new token was chosen from.
+    - `return_logits`: also return the logits each new token was chosen from (the program
+        then holds `[batch, bucket - prompt, vocab]` of them, in the model's dtype).
     - `eos_token_id`: the ids that end a sequence, each in `[0, vocab)`; `None` means the
         checkpoint's (`model.config.stop_token_ids`: `generation_config.json`'s
         `eos_token_id`, else `config.json`'s, an id or a list); `()` never stops early.
