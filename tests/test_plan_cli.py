@@ -30,7 +30,7 @@ from eqx_lean.hf import (
     plan_train_step,
     step_memory,
 )
-from eqx_lean.internal import memory_targets
+from eqx_lean.internal import memory_cli_main, memory_targets
 
 
 needs_gpu_plugin = pytest.mark.skipif(
@@ -240,12 +240,10 @@ def test_argparse_errors_stay_argparse_errors(commands):
     ],
 )
 def test_every_usage_error_in_process(arguments, expected, tmp_path, monkeypatch, capsys):
-    from eqx_lean._memory import cli
-
     config = tmp_path / "config.json"
     config.write_text(json.dumps(dict(TINY_DECODER, model_type="mistral")))
     monkeypatch.setenv("EQX_LEAN_PLANNING_CHILD", "1")  # plan here, not in a child process
-    code = cli.main(["lora", "8xh100", "--config", str(config), *arguments])
+    code = memory_cli_main(["lora", "8xh100", "--config", str(config), *arguments])
     out, err = capsys.readouterr()
     assert code == 2 and out == ""
     assert err.startswith(f"{PROG} lora: error: ") and err.count("\n") == 1, err
@@ -253,12 +251,10 @@ def test_every_usage_error_in_process(arguments, expected, tmp_path, monkeypatch
 
 
 def test_a_bad_config_file_is_a_usage_error(tmp_path, monkeypatch, capsys):
-    from eqx_lean._memory import cli
-
     config = tmp_path / "config.json"
     config.write_text("{not json")
     monkeypatch.setenv("EQX_LEAN_PLANNING_CHILD", "1")
-    assert cli.main(["full", "cpu", "--config", str(config)]) == 2
+    assert memory_cli_main(["full", "cpu", "--config", str(config)]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"{PROG} full: error: ") and err.count("\n") == 1, err
 

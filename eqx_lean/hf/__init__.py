@@ -23,9 +23,9 @@ from ._finetune import (
 )
 from ._generate import decode_step as decode_step, generate as generate, sample as sample
 from ._model import (
+    LAYER_INPUT as LAYER_INPUT,
     DecoderBlock as DecoderBlock,
     KVCache as KVCache,
-    LAYER_INPUT as LAYER_INPUT,
     Mistral as Mistral,
     init as init,
     make_block as make_block,

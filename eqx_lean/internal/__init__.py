@@ -72,6 +72,14 @@ from .._platform import (
     release_freed_host_memory as release_freed_host_memory,
 )
 
+# --- Checks of scalar arguments and config fields (`eqx_lean._arguments`) -------------------
+from .._arguments import (
+    boolean as check_boolean,
+    integer as check_integer,
+    number as check_number,
+    optional_integer as check_optional_integer,
+)
+
 # --- Private JAX and its fallbacks (`eqx_lean._compat`, `_scan.linear_call`, `_threefry`) ----
 from .. import _compat as compat  # seam module: `_SHARD_ALIKE_HOMES` and the cached probes
 from .._compat import (
@@ -136,6 +144,7 @@ from .._memory.plugins import (
     install_command as plan_plugins_install_command,
     make_visible as make_plan_plugins_visible,
 )
+from .._memory.cli import main as memory_cli_main
 from .._memory.table import format_bytes as format_bytes
 from .._memory.targets import _TPUS as TPUS, _topology_devices as topology_devices
 from .._memory.training import _fit_one as fit_one
