@@ -15,12 +15,17 @@ Cases (each prints one table row per method; nothing runs, nothing is allocated)
     `plan` extra; `JAX_PLATFORMS=cpu`). It plans whatever `eqx_lean` is imported: run it on an
     older checkout (`PYTHONPATH=<checkout>`) for the figure before.
 
+- `steptime`: a LoRA AdamW step of the narrow decoder in bfloat16 at 1 x 2,048 tokens, run on
+    this CPU, the textbook loss and the fused one alternated (median of steps 2-6).
+
     JAX_PLATFORMS=cpu python benchmarks/fused_loss.py loss decoder
+    JAX_PLATFORMS=cpu python benchmarks/fused_loss.py steptime
     JAX_PLATFORMS=cpu JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 CUDA_VISIBLE_DEVICES=-1 \\
         python benchmarks/fused_loss.py plan8b
 """
 
 import argparse
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any
@@ -160,7 +165,59 @@ def plan8b_case() -> None:
         )
 
 
-CASES = {"loss": loss_case, "decoder": decoder_case, "plan8b": plan8b_case}
+def steptime_case() -> None:
+    """A LoRA AdamW step of the narrow decoder in bfloat16 at 1 x 2,048 tokens on this CPU,
+    the textbook loss and the fused one alternated in one process (median of steps 2-6)."""
+    import statistics
+
+    import optax
+
+    config = dataclasses.replace(NARROW, dtype="bfloat16")
+    lora_config = lora.LoraConfig(r=16, lora_alpha=32, target_modules=ALL_SEVEN)
+    model = lora.add_lora(
+        hf.init(config, key=jax.random.key(0)), lora_config, key=jax.random.key(1)
+    )
+    adapters, frozen = eqx.partition(model, lora.lora_filter(model))
+    optimizer = optax.adamw(1e-4)
+    ids = jax.random.randint(jax.random.key(2), (1, 2048), 0, config.vocab_size)
+
+    def make(fused: bool) -> Any:
+        @jax.jit
+        def step(adapters: Any, state: Any) -> Any:
+            def loss_of(adapters: Any) -> Any:
+                model = eqx.combine(adapters, frozen)
+                return hf.next_token_loss(model, ids, remat=True, fused=fused)
+
+            loss, grads = jax.value_and_grad(loss_of)(adapters)
+            updates, state = optimizer.update(grads, state, adapters)
+            return optax.apply_updates(adapters, updates), state, loss
+
+        return step
+
+    steps = {fused: make(fused) for fused in (False, True)}
+    states = {fused: (adapters, optimizer.init(adapters)) for fused in (False, True)}
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for _ in range(6):
+        for fused in (False, True):
+            start = time.perf_counter()
+            new = steps[fused](*states[fused])
+            jax.block_until_ready(new)
+            times[fused].append(time.perf_counter() - start)
+            states[fused] = new[:2]
+    median = {fused: statistics.median(times[fused][1:]) for fused in (False, True)}
+    print("\nLoRA step, narrow decoder, bfloat16, 1 x 2,048 tokens, this CPU (alternated)")
+    print(
+        f"textbook loss: {median[False]:.2f} s, fused: {median[True]:.2f} s "
+        f"({median[True] / median[False]:.2f}x); every step: {times}"
+    )
+
+
+CASES = {
+    "loss": loss_case,
+    "decoder": decoder_case,
+    "plan8b": plan8b_case,
+    "steptime": steptime_case,
+}
 
 
 def main() -> None:
