@@ -152,6 +152,7 @@ def _temp_bytes(f, *shapes) -> int:
     return analysis.temp_size_in_bytes
 
 
+@pytest.mark.quick
 def test_the_gradient_never_holds_the_logits():
     """XLA:CPU's plan (compile only) of the gradient with respect to the hidden states and the
     head at 16,384 tokens x hidden 256 x vocab 128,256, where float32 logits alone are 8 GiB:

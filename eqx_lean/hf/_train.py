@@ -51,6 +51,22 @@ def next_token_loss(
     **Returns:**
 
     The loss, a float32 scalar.
+
+    **Example:**
+
+    ```python
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    from eqx_lean.hf import MistralConfig, init, next_token_loss
+
+    model = init(MistralConfig.tiny(), key=jax.random.key(0))
+    ids = jnp.arange(16, dtype=jnp.int32).reshape(2, 8)
+    labels = ids.at[0, :3].set(-100).at[1, :5].set(-100)  # the prompts: not trained on
+    loss = eqx.filter_jit(next_token_loss)(model, ids, labels=labels)
+    textbook = eqx.filter_jit(next_token_loss)(model, ids, labels=labels, fused=False)
+    assert jnp.allclose(loss, textbook, rtol=1e-5)
+    ```
     """
     if labels is None:
         labels = input_ids
