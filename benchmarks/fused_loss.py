@@ -11,9 +11,9 @@ Cases (each prints one table row per method; nothing runs, nothing is allocated)
     float32) at 1 x 2,048 and 1 x 16,384 tokens, `fused=True` against `fused=False` (XLA:CPU).
     At 16,384 tokens the attention's `[heads, seq, seq]` scores dominate either way.
 - `plan8b`: `eqx_lean.hf.plan_lora_step` of a Llama-3.1-8B-shaped NF4 LoRA step (rank 16, all
-    seven projections, `remat=True`) for one compile-only H100 at 1 x 2,048 and 2 x 2,048 (the
-    `plan` extra; `JAX_PLATFORMS=cpu`). It plans whatever `eqx_lean` is imported: run it on an
-    older checkout (`PYTHONPATH=<checkout>`) for the figure before.
+    seven projections, `remat=True`) for one compile-only H100 at 1 x 2,048, 2 x 2,048 and
+    1 x 8,192 (the `plan` extra; `JAX_PLATFORMS=cpu`). It plans whatever `eqx_lean` is
+    imported: run it on an older checkout (`PYTHONPATH=<checkout>`) for the figure before.
 
 - `steptime`: a LoRA AdamW step of the narrow decoder in bfloat16 at 1 x 2,048 tokens, run on
     this CPU, the textbook loss and the fused one alternated (median of steps 2-6).
@@ -146,7 +146,7 @@ def plan8b_case() -> None:
     lora_config = lora.LoraConfig(r=16, lora_alpha=32, target_modules=ALL_SEVEN)
     print("\nplan_lora_step, Llama-3.1-8B shape, NF4 base, rank 16 x 7, remat=True, one H100")
     print("| tokens | peak | temporaries | fits | plan |\n| --- | --- | --- | --- | --- |")
-    for batch, seq in ((1, 2048), (2, 2048)):
+    for batch, seq in ((1, 2048), (2, 2048), (1, 8192)):
         start = time.perf_counter()
         plan = hf.plan_lora_step(
             LLAMA_8B,
