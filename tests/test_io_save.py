@@ -743,9 +743,17 @@ def run_faults(tmp_path: Path, kind: str, world: World, model, save_kwargs: dict
     return complete, killed
 
 
-def check_new_checkpoint(world: World, destination: Path, expected: dict, config: dict | None):
+def check_new_checkpoint(
+    world: World,
+    destination: Path,
+    expected: dict,
+    config: dict | None,
+    generation: dict | None = None,
+):
     """The new checkpoint, checked by hand: its tensors, its config, and every carried file as
-    a regular copy (a link kept only where it points to a directory or nowhere)."""
+    a regular copy (a link kept only where it points to a directory or nowhere). With
+    `generation`, `generation_config.json` is the save's own (`save_hf` writes it) and must
+    hold that JSON object."""
     assert_tensors_equal(read_checkpoint(destination), expected)
     if config is not None:
         assert json.loads((destination / "config.json").read_text()) == config
@@ -760,12 +768,25 @@ def check_new_checkpoint(world: World, destination: Path, expected: dict, config
             assert os.readlink(found) == entry[1], relative
         elif entry[0] != "dir":
             assert not found.is_symlink() and os.stat(found).st_nlink == 1, relative
+            if generation is not None and relative == "generation_config.json":
+                assert json.loads(found.read_text()) == generation
+                continue
             assert found.read_bytes() == (old / relative).read_bytes(), relative
     assert stat.S_IMODE(os.stat(destination).st_mode) == 0o750
 
 
 def sweep(
-    tmp_path, kind, layout, write_old, new_model, save_kwargs, expected, config, load, **spec
+    tmp_path,
+    kind,
+    layout,
+    write_old,
+    new_model,
+    save_kwargs,
+    expected,
+    config,
+    load,
+    generation=None,
+    **spec,
 ):
     """Kills a save over `layout` as `spec` says and checks every case: a child to be killed in
     the hook died there (killed, never completed, at exactly that hook call), one killed after a
@@ -779,7 +800,7 @@ def sweep(
     complete, killed = run_faults(tmp_path, kind, world, new_model, save_kwargs, **server_spec)
     trace = [tuple(step[:3]) for step in complete["steps"]]
     real = Path(complete["world"]) / world.real
-    check_new_checkpoint(world, real, expected, config)
+    check_new_checkpoint(world, real, expected, config, generation)
     states = {"old": snapshot(world.template / world.real), "new": snapshot(real)}
     outside = world.outside(world.template)
     assert world.outside(Path(complete["world"])) == outside
@@ -971,6 +992,8 @@ def hf_sweep(tmp_path, layout, steps, delay_fractions=(), big=False, load_every=
         to_hf_state_dict(new_model),
         config,
         load,
+        # The old directory's generation config (`add_extras`), the new model's stop id added.
+        generation={"max_length": 9, "eos_token_id": new_config.eos_token_id},
         steps=steps,
         delay_fractions=list(delay_fractions),
         load_every=load_every,
@@ -1036,7 +1059,11 @@ def test_save_hf_over_a_hard_linked_copy_leaves_the_original_loading_as_before(t
         assert loaded.config == model.config and loaded.dtype == model.dtype
         for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(model), strict=True):
             np.testing.assert_array_equal(bits(np.asarray(a)), bits(b))
-    assert sorted(os.listdir(tmp_path / "copy")) == ["config.json", "model.safetensors"]
+    assert sorted(os.listdir(tmp_path / "copy")) == [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+    ]
 
 
 def test_concurrent_saves_never_mix(old):

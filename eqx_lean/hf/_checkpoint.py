@@ -4,6 +4,7 @@ import dataclasses
 import json
 import os
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any, Literal
 
 import equinox as eqx
@@ -532,14 +533,17 @@ def _with_generation_eos(
     )
 
 
-def _generation_file(config: MistralConfig) -> bytes:
-    """`generation_config.json` for a model of `config`: the file the checkpoint had, byte for
-    byte, while the model's stop ids are the ones it gave; else that file with the model's
-    stop ids in `eos_token_id`; else a new one with `config.json`'s `bos_token_id` and the
-    model's stop ids."""
+def _generation_file(config: MistralConfig, path: str | os.PathLike) -> bytes:
+    """`generation_config.json` for a model of `config` saved to `path`: the file the model's
+    checkpoint had (else the one `path` holds), byte for byte, while the model's stop ids are
+    the ones it gives; else that file with the model's stop ids in `eos_token_id`, its other
+    fields kept; else a new one with `config.json`'s `bos_token_id` and the model's stop
+    ids."""
     stop = list(config.stop_token_ids)
     eos: Any = stop[0] if len(stop) == 1 else (stop or None)
     text = config.generation_config_text
+    if text is None:
+        text = _existing_generation_text(path)
     if text is not None:
         generation = json.loads(text)
         held = generation.get("eos_token_id")
@@ -551,6 +555,22 @@ def _generation_file(config: MistralConfig) -> bytes:
         generation = {"bos_token_id": config.bos_token_id, "eos_token_id": eos}
     # transformers' own layout (`GenerationConfig.to_json_string`).
     return (json.dumps(generation, indent=2, sort_keys=True) + "\n").encode("utf-8")
+
+
+def _existing_generation_text(path: str | os.PathLike) -> str | None:
+    """The text of `path`'s own `generation_config.json` when it holds a JSON object (a save
+    over a checkpoint keeps its sampling fields), else None (no file, or one `transformers`
+    could not read either: the save then writes a new one)."""
+    try:
+        raw = (Path(path) / _GENERATION).read_bytes()
+    except OSError:  # no such file, a directory, unreadable: nothing to keep
+        return None
+    text = raw.decode("utf-8", errors="surrogateescape")
+    try:
+        generation = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    return text if isinstance(generation, dict) else None
 
 
 def save_hf(
@@ -571,9 +591,10 @@ def save_hf(
     It also writes `generation_config.json`, so that the stop ids the model holds
     (`model.config.stop_token_ids`, such as Llama-3-Instruct's `<|eot_id|>` beside
     `<|end_of_text|>`) survive the save for `transformers` and [`load_hf`][]. For a model
-    loaded from a checkpoint with that file, the file is written back byte for byte while the
-    model's stop ids are the ones it gave; if they changed, the same file with the model's ids
-    as `eos_token_id` (transformers' JSON layout); for any other model, a new file with
+    loaded from a checkpoint with that file (else, saved over a directory that has one), the
+    file is written back byte for byte while the model's stop ids are the ones it gives; if
+    they differ, the same file with the model's ids as `eos_token_id` and its other fields
+    kept (transformers' JSON layout); where there is no such file, a new one with
     `config.json`'s `bos_token_id` and the model's stop ids. A `generation_config.json` in
     `files` is written as given instead.
 
@@ -630,7 +651,7 @@ def save_hf(
         _hf_name,
         max_shard_bytes=max_shard_bytes,
         files={
-            _GENERATION: _generation_file(model.config),
+            _GENERATION: _generation_file(model.config, path),
             **(files or {}),
             "config.json": (json.dumps(config, indent=2) + "\n").encode(),
         },
