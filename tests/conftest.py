@@ -6,6 +6,10 @@ import tempfile
 # The suite runs on CPU (its tolerances are XLA:CPU's). Set before JAX starts: JAX's CUDA plugin
 # (the `plan-gpu` extra) compiles for GPUs this machine lacks only in a process started so.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# A run on an accelerator (`JAX_PLATFORMS=cuda`, benchmarks/gpu_tests.sh) keeps the CPU beside
+# it: the tests marked `cpu_mesh` run on its eight forced devices (harness.pinned_to_cpu).
+if os.environ["JAX_PLATFORMS"] and "cpu" not in os.environ["JAX_PLATFORMS"].split(","):
+    os.environ["JAX_PLATFORMS"] += ",cpu"
 # libtpu (the `plan-tpu` extra) would otherwise lock out every other process that compiles for
 # a TPU slice while this one lives: the test workers and subprocesses.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
@@ -18,6 +22,9 @@ from harness import (  # noqa: E402
     COMPILATION_CACHE_VARIABLES,
     FRESH_COMPILES,
     compilation_cache_variables,
+    on_cpu,
+    pinned_to_cpu,
+    platform_skip_reason,
 )
 
 
@@ -54,6 +61,33 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 # `XLA_FLAGS`, so that the subprocesses the tests start (fresh-process memory figures, kills,
 # races) keep their one device unless they ask for more.
 jax.config.update("jax_num_cpu_devices", 8)
+# XLA:GPU computes float32 dots in TF32 unless told otherwise (measured on the H100: float32
+# logits 0.019-0.038 from transformers', docs/benchmarks.md); the suite's float32 parity checks
+# against torch, loops and NumPy mean full float32, as on the CPU, where this changes nothing.
+if not on_cpu():
+    jax.config.update("jax_default_matmul_precision", "highest")
+
+
+_PLATFORM_MARKERS = ("xla_cpu", "private_jax")
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    """The tests marked `xla_cpu` or `private_jax` are skipped, with the reason, where what
+    they assert does not hold by design (`harness.platform_skip_reason`)."""
+    marked = [name for name in _PLATFORM_MARKERS if item.get_closest_marker(name) is not None]
+    reason = platform_skip_reason(marked) if marked else None
+    if reason is not None:
+        item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """The tests marked `cpu_mesh` run (setup, call and teardown, so their module fixtures too)
+    on the CPU platform's eight devices where the default backend is not the CPU."""
+    if item.get_closest_marker("cpu_mesh") is None:
+        return (yield)
+    with pinned_to_cpu():
+        return (yield)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -13,6 +13,7 @@ benchmark's Mistral-shaped block in `eqx_lean.bench`, which ships with the packa
 change with what the benchmark measures. Tests of the benchmark itself use the benchmark's block.
 """
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -22,13 +23,14 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.sharding import AxisType, Mesh
 from jaxtyping import Array, Float, PRNGKeyArray
 
@@ -200,6 +202,102 @@ def assert_bitwise_equal(actual: Any, expected: Any) -> None:
             np.testing.assert_array_equal(bits(a), bits(b), err_msg=f"leaf {i}")
         else:
             assert a == b, (i, a, b)
+
+
+# --- the platform the suite runs on: CPU (always here), or a GPU with the CPU beside it -------
+#
+# The suite is written for XLA:CPU, with eight forced CPU devices. On a machine whose default
+# backend is a GPU (`benchmarks/gpu_tests.sh`), three things change, all decided here from
+# `default_backend()`, the one seam (`tests/test_harness_platform.py` fakes it):
+# - the tests marked `cpu_mesh` (they need the eight CPU devices) run pinned to the CPU
+#   platform: `pinned_to_cpu()`, applied by `conftest.py` around each such test;
+# - the tests marked `xla_cpu` (an XLA:CPU plan or program shape asserted as such) are skipped,
+#   and those marked `private_jax` wherever `eqx_lean.internal.private_jax_allowed()` is false
+#   (`platform_skip_reason`);
+# - float32 tolerances come from `tolerance(kind)`, and `conftest.py` sets
+#   `jax_default_matmul_precision="highest"`: XLA:GPU computes float32 dots in TF32 by
+#   default (measured on the H100, docs/benchmarks.md), torch and XLA:CPU do not.
+
+
+def default_backend() -> str:
+    """The platform JAX runs on by default in this process (`jax.default_backend()`)."""
+    return jax.default_backend()
+
+
+def on_cpu() -> bool:
+    """Whether the suite runs on the CPU platform (its tolerances and plans are XLA:CPU's)."""
+    return default_backend() == "cpu"
+
+
+_pinned = [0]  # how deep `pinned_to_cpu` is entered: a module-wide mark and a test's nest
+
+
+@contextlib.contextmanager
+def pinned_to_cpu() -> Iterator[None]:
+    """Runs what it wraps on the CPU platform's devices when the default backend is not the
+    CPU (nothing changes on the CPU): `jax.default_device` is the first CPU device, and
+    `jax.devices()` and `jax.make_mesh` (as the tests, `mesh_of` and eqx_lean call them) give
+    and take the CPU devices, the eight `conftest.py` forces. A GPU machine has one GPU; the
+    8-device tests (marked `cpu_mesh`) keep their meaning there."""
+    if on_cpu() or _pinned[0]:
+        _pinned[0] += 1
+        try:
+            yield
+        finally:
+            _pinned[0] -= 1
+        return
+    cpu = jax.devices("cpu")
+    real_devices, real_make_mesh = jax.devices, jax.make_mesh
+
+    def devices(backend: Any = None) -> list[Any]:
+        return real_devices("cpu" if backend is None else backend)
+
+    def make_mesh(*args: Any, devices: Any = None, **kwargs: Any) -> Mesh:
+        return real_make_mesh(*args, devices=cpu if devices is None else devices, **kwargs)
+
+    _pinned[0] += 1
+    try:
+        with pytest.MonkeyPatch.context() as patch, jax.default_device(cpu[0]):
+            patch.setattr(jax, "devices", devices)
+            patch.setattr(jax, "make_mesh", make_mesh)
+            yield
+    finally:
+        _pinned[0] -= 1
+
+
+def platform_skip_reason(markers: Sequence[str]) -> str | None:
+    """Why a test with these markers does not run here, or `None` when it runs: `xla_cpu`
+    tests run only where the default backend is the CPU, `private_jax` tests only where eqx_lean
+    uses private JAX APIs (the tested JAX series, `EQX_LEAN_NO_PRIVATE_JAX` unset)."""
+    from eqx_lean.internal import private_jax_allowed
+
+    if "xla_cpu" in markers and not on_cpu():
+        return f"asserts an XLA:CPU plan or program; the default backend is {default_backend()}"
+    if "private_jax" in markers and not private_jax_allowed():
+        return (
+            f"asserts a private-JAX path is active; eqx_lean uses none on JAX {jax.__version__}"
+            " here (eqx_lean.internal.private_jax_allowed() is false)"
+        )
+    return None
+
+
+# Float32 tolerances that differ by platform, by what is compared. On the CPU they are the
+# suite's bounds as they stood (never loosened); on a GPU each is justified by a measurement:
+# - "loop": a `fold`/`scan` against a Python loop over the same layers, relative to
+#   max(1, |value|). XLA:GPU fuses and reduces in another order: a stateful scan was 3.4e-6
+#   from its loop on the H100 at the highest matmul precision (docs/benchmarks.md, "The test
+#   suite on the H100"), against the CPU's 1e-6.
+TOLERANCES: dict[str, dict[str, float]] = {
+    "cpu": {"loop": 1e-6},
+    "gpu": {"loop": 1e-5},
+}
+
+
+def tolerance(kind: str) -> float:
+    """The float32 tolerance of `kind` (`TOLERANCES`) on the platform the suite runs on; a
+    platform without its own column (a TPU) takes the GPU's."""
+    platform = "cpu" if on_cpu() else "gpu"
+    return TOLERANCES[platform][kind]
 
 
 def mesh_of(

@@ -67,6 +67,7 @@ def test_compiled_write_needs_at_most_one_chunk_beside_its_buffers():
         assert analysis.temp_size_in_bytes <= 4 * MIB, analysis.temp_size_in_bytes
 
 
+@pytest.mark.cpu_mesh
 def test_sharded_compiled_write_is_one_program_for_every_device():
     """float32 values cast into bfloat16 buffers sharded over 8 devices (compiled only): one
     program whose buffers and temporaries are per device."""
@@ -85,6 +86,7 @@ def test_sharded_compiled_write_is_one_program_for_every_device():
         assert analysis.temp_size_in_bytes <= 4 * MIB // 8 + 64 * 1024, analysis
 
 
+@pytest.mark.xla_cpu  # host memory is XLA's own buffer (a donation reuses it) on the CPU only
 def test_host_buffers_allocated_in_threads_come_back_in_target_order():
     # The host allocations run in a thread pool, one shard each; the buffers must still match
     # their plans one for one (shape, dtype, sharding), be zeros, and be XLA's own memory.

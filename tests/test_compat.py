@@ -74,6 +74,7 @@ def every_use(tmp_path):
     return results
 
 
+@pytest.mark.private_jax
 def test_private_apis_are_used_on_the_tested_jax():
     assert private_jax_allowed()
     assert can_override_lowering()

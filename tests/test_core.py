@@ -202,6 +202,7 @@ class WriteCompilations(logging.Handler):
             self.count += 1
 
 
+@pytest.mark.cpu_mesh
 def test_a_different_sharding_compiles_again_and_the_same_does_not():
     """A compiled write is reused for the same sharding only: splitting the rows over both
     devices, replicating them, or placing them on either device compiles a write of its own."""

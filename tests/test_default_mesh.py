@@ -25,6 +25,10 @@ import eqx_lean
 from eqx_lean import hf, lora
 
 
+# Every test here shards over the eight forced CPU devices (on a GPU machine too).
+pytestmark = pytest.mark.cpu_mesh
+
+
 # Qwen2's shape: q/k/v biases and a head tied to the embedding, so that a bias, a norm's weight
 # and the vocabulary rows are all split by `fsdp` beside a batch split over the same axis.
 CONFIG = hf.MistralConfig(

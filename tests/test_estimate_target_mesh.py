@@ -70,6 +70,7 @@ def test_a_target_mesh_alone_places_the_build_on_the_target(where):
     assert replicated.write_temp_bytes == est.write_temp_bytes
 
 
+@pytest.mark.cpu_mesh
 def test_a_mesh_of_this_machine_estimates_for_this_machine():
     """A mesh over this machine's own devices (the suite has 8 CPU devices) is not a target's:
     the estimate stays XLA:CPU's."""

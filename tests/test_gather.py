@@ -27,6 +27,10 @@ from jaxtyping import Array, PRNGKeyArray
 import eqx_lean
 
 
+# Every test here shards over the eight forced CPU devices (on a GPU machine too).
+pytestmark = pytest.mark.cpu_mesh
+
+
 NUM_LAYERS = 4
 DIM = 16
 BLOCK = GPTConfig(num_layers=NUM_LAYERS, dim=32, hidden=128, heads=4)

@@ -407,6 +407,7 @@ def unsharded():
 @pytest.mark.parametrize(
     "name", ["rows", "columns", "rows_auto", "grid", "two_axes_on_rows", "partly_replicated"]
 )
+@pytest.mark.cpu_mesh
 def test_same_values_on_eight_devices(unsharded, name):
     sharding = eight_device_sharding(name)
     init = chunked(inits.lecun_normal())
@@ -415,6 +416,7 @@ def test_same_values_on_eight_devices(unsharded, name):
     np.testing.assert_array_equal(np.asarray(x), unsharded)
 
 
+@pytest.mark.cpu_mesh
 def test_same_values_on_eight_devices_with_three_tiles_per_step(unsharded):
     small_chunks = chunked(inits.lecun_normal(), 3 * 2**20)
     sharding = eight_device_sharding("grid")
@@ -422,6 +424,7 @@ def test_same_values_on_eight_devices_with_three_tiles_per_step(unsharded):
     np.testing.assert_array_equal(np.asarray(y), unsharded)
 
 
+@pytest.mark.cpu_mesh
 def test_same_values_on_eight_devices_from_a_spec_under_jit(unsharded):
     init = chunked(inits.lecun_normal())
     with jax.set_mesh(mesh_of((8,), ("d",))):
@@ -431,6 +434,7 @@ def test_same_values_on_eight_devices_from_a_spec_under_jit(unsharded):
     np.testing.assert_array_equal(np.asarray(jitted), unsharded)
 
 
+@pytest.mark.cpu_mesh
 def test_each_of_eight_devices_fills_only_its_shard():
     init = chunked(inits.lecun_normal())
     sharding = eight_device_sharding("rows")
@@ -443,6 +447,7 @@ def test_each_of_eight_devices_fills_only_its_shard():
     assert analysis.temp_size_in_bytes <= 8 * 2**20, analysis.temp_size_in_bytes
 
 
+@pytest.mark.cpu_mesh
 def test_rows_that_do_not_divide_over_eight_devices_are_refused():
     init = chunked(inits.lecun_normal())
     with pytest.raises(ValueError) as info:

@@ -540,6 +540,7 @@ def test_sharded_load_on_8_devices_equals_unsharded(
         np.testing.assert_array_equal(resaved[name], expected)
 
 
+@pytest.mark.cpu_mesh
 def test_like_may_carry_the_stacked_sharding_with_the_layer_axis_replicated(sharded_checkpoint):
     """The ShapeDtypeStructs of `like` may carry shardings, as Orbax targets do: that of the
     stacked leaf, whose layer axis must be replicated (one that shards it is refused, naming
@@ -564,6 +565,7 @@ def test_like_may_carry_the_stacked_sharding_with_the_layer_axis_replicated(shar
     assert "layer_axis=" in str(caught.value), caught.value
 
 
+@pytest.mark.cpu_mesh
 def test_the_layer_axis_is_sharded_only_when_asked_for_by_layer_axis(sharded_checkpoint):
     path, _, reference, mesh = sharded_checkpoint
     by_stage = eqx_lean.load_tensors(
@@ -575,6 +577,7 @@ def test_the_layer_axis_is_sharded_only_when_asked_for_by_layer_axis(sharded_che
     assert by_stage["emb"].sharding.spec == P("b"), by_stage["emb"].sharding
 
 
+@pytest.mark.cpu_mesh
 def test_a_spec_covering_the_layer_axis_too_is_refused_and_says_why(sharded_checkpoint):
     """The meaning of `sharding=` before 0.2.0 (a spec of the stacked leaf, not of one layer's)."""
     path, _, _, mesh = sharded_checkpoint
@@ -597,6 +600,7 @@ def test_one_sharding_for_every_leaf(saved):
     assert_bitwise_equal(loaded, eqx_lean.load_stacked(file, like, hf_names))
 
 
+@pytest.mark.cpu_mesh
 def test_orbax_recipe_restores_into_a_sharded_abstract_target(tmp_path):
     ocp = pytest.importorskip("orbax.checkpoint")
 
@@ -870,6 +874,7 @@ def test_bad_save_arguments_are_refused(tmp_path):
 
 
 @pytest.mark.parametrize("devices", [4, 8])
+@pytest.mark.cpu_mesh
 def test_build_and_load_give_one_meaning_to_sharding(tmp_path, devices):
     """The same `sharding=`/`mesh=` arguments, to `build_stacked` and `load_stacked`: the same
     shardings (`is_equivalent_to`) and the same values, in every form `sharding=` takes."""

@@ -226,6 +226,7 @@ def test_a_misaligned_tensor_is_refused_with_its_offset(tmp_path):
         eqx_lean.load_tensors(path, like, {"emb": name}, file_backed=True)
 
 
+@pytest.mark.cpu_mesh
 def test_file_backed_refuses_leaves_spread_over_devices(tmp_path):
     path = tmp_path / "ckpt"
     eqx_lean.save_tensors(path, {"w": jnp.ones((4, 8, 8), jnp.float32)}, {"w": "l.{i}.w"})

@@ -337,6 +337,7 @@ def fsdp_checkpoint(tmp_path_factory):
 
 
 @pytest.mark.parametrize("host_writes", [True, False], ids=["host_writes", "compiled_writes"])
+@pytest.mark.cpu_mesh
 def test_like_from_eval_shape_of_a_sharded_build_loads(fsdp_checkpoint, host_writes, monkeypatch):
     """`eqx.filter_eval_shape(build_stacked, ..., sharding=fsdp(mesh))` gives shardings on an
     abstract mesh; they are placed on `mesh=`, the mesh set by `jax.set_mesh`, or a mesh of the
@@ -361,6 +362,7 @@ def test_like_from_eval_shape_of_a_sharded_build_loads(fsdp_checkpoint, host_wri
         check(eqx_lean.load_stacked(path, like, stack_names))
 
 
+@pytest.mark.cpu_mesh
 def test_like_on_an_abstract_mesh_refuses_a_mesh_of_other_axes(fsdp_checkpoint):
     path, _, _, like = fsdp_checkpoint
     other = mesh_of((2, 4), ("x", "y"))
@@ -409,6 +411,7 @@ def test_clear_caches_forgets_the_compiled_chunk_writes_too(tmp_path, monkeypatc
 
 @pytest.mark.parametrize("devices", [1, 8])
 @pytest.mark.parametrize("host_writes", [True, False], ids=["host_writes", "compiled_writes"])
+@pytest.mark.cpu_mesh
 def test_compiled_chunk_writes_compile_once_whatever_the_device_count(
     tmp_path, devices, host_writes, compiles, monkeypatch
 ):

@@ -626,6 +626,7 @@ def test_a_failure_at_any_step_says_what_became_of_the_checkpoint(old):
 # jax.set_mesh
 
 
+@pytest.mark.cpu_mesh
 def test_save_under_a_global_mesh(tmp_path):
     """`jax.set_mesh(mesh)` made the per-shard slicing refuse arrays on one of the mesh's
     devices ("jit's context mesh with device ids [0..7]")."""

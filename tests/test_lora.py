@@ -400,6 +400,7 @@ def sharded_base():
     return {"layers": stacked, "head": head}
 
 
+@pytest.mark.cpu_mesh
 def test_adapters_are_sharded_like_the_base_on_8_devices(sharded_base):
     lora = add_lora(sharded_base, SHARDED_CONFIG, key=jax.random.key(2))
     layers, out = lora["layers"], lora["head"]
@@ -412,6 +413,7 @@ def test_adapters_are_sharded_like_the_base_on_8_devices(sharded_base):
     np.testing.assert_array_equal(np.asarray(layers.lora_A), np.asarray(plain["layers"].lora_A))
 
 
+@pytest.mark.cpu_mesh
 def test_a_layer_axis_sharded_in_the_base_is_sharded_in_the_adapters(sharded_base):
     stacked = sharded_base["layers"]
     mesh = stacked.weight.sharding.mesh
@@ -425,6 +427,7 @@ def test_a_layer_axis_sharded_in_the_base_is_sharded_in_the_adapters(sharded_bas
     assert adapted.lora_B.sharding.spec == P("data", "model", None), adapted.lora_B.sharding
 
 
+@pytest.mark.cpu_mesh
 def test_loaded_adapters_of_a_sharded_base_are_placed_like_fresh_ones(sharded_base, tmp_path):
     """And the sharded forward of the loaded adapters matches that of the saved ones."""
     lora = add_lora(sharded_base, SHARDED_CONFIG, key=jax.random.key(2))

@@ -321,6 +321,7 @@ def eight_devices() -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.cpu_mesh
 def test_per_device_figures_on_eight_devices(eight_devices):
     report = eight_devices
     assert report["devices"] == 8
@@ -341,6 +342,7 @@ def _rows(table: str) -> dict[str, list[str]]:
     return {row[0]: row[1:] for row in rows}
 
 
+@pytest.mark.cpu_mesh
 def test_sharded_estimate_table_uses_one_basis_per_row(eight_devices):
     """With 8 devices, `build_stacked`'s row is per device and the `filter_vmap` rows, which run
     unsharded, compare their peak with the whole model: each says so, and a ratio never divides

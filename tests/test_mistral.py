@@ -393,26 +393,34 @@ def test_bfloat16_product_and_its_gradients_accumulate_in_float32():
     np.testing.assert_allclose(tangent, x64 @ w64.T, rtol=1e-5, atol=1e-5)
 
 
-def test_bfloat16_product_needs_no_float32_copy_of_the_weight():
-    """XLA:CPU copies a bfloat16 weight to float32 for a plain bfloat16 dot; the float32-result
-    product, and its gradient with respect to the input, read the weight as it is and hold
-    activation-sized temporaries only."""
-    x = jax.ShapeDtypeStruct((256, 2048), jnp.bfloat16)
-    weight = jax.ShapeDtypeStruct((2048, 2048), jnp.bfloat16)
-    weight_f32 = 2048 * 2048 * 4
+_PRODUCT_X = jax.ShapeDtypeStruct((256, 2048), jnp.bfloat16)
+_PRODUCT_WEIGHT = jax.ShapeDtypeStruct((2048, 2048), jnp.bfloat16)
 
-    def temp(f) -> int:
-        analysis = jax.jit(f).lower(x, weight).compile().memory_analysis()
-        assert analysis is not None
-        return analysis.temp_size_in_bytes
+
+def _product_temp(f) -> int:
+    analysis = jax.jit(f).lower(_PRODUCT_X, _PRODUCT_WEIGHT).compile().memory_analysis()
+    assert analysis is not None
+    return analysis.temp_size_in_bytes
+
+
+@pytest.mark.xla_cpu
+def test_xla_cpu_copies_the_weight_for_a_plain_bfloat16_dot():
+    """Why `linear_product` exists: XLA:CPU copies a bfloat16 weight to float32 for a plain
+    bfloat16 dot (JAX 0.10's XLA:CPU)."""
+    weight_f32 = 2048 * 2048 * 4
+    assert _product_temp(lambda x, w: jnp.einsum("ti,oi->to", x, w)) >= weight_f32
+
+
+def test_bfloat16_product_needs_no_float32_copy_of_the_weight():
+    """The float32-result product, and its gradient with respect to the input, read the weight
+    as it is and hold activation-sized temporaries only."""
 
     def input_grad(x, weight):
         return jax.grad(lambda x: jnp.sum(linear_product(x, weight).astype(jnp.float32)))(x)
 
     result_f32 = 256 * 2048 * 4  # the float32 result, before its rounding to bfloat16
-    assert temp(lambda x, w: jnp.einsum("ti,oi->to", x, w)) >= weight_f32  # the plain dot
-    assert temp(linear_product) <= result_f32
-    assert temp(input_grad) <= 2 * result_f32
+    assert _product_temp(linear_product) <= result_f32
+    assert _product_temp(input_grad) <= 2 * result_f32
 
 
 @pytest.mark.parametrize("leading", [(1,), (1, 1), ()], ids=str)

@@ -61,6 +61,7 @@ def test_writes_for_accelerators_keep_jax_s_own_lowering(platform):
     assert all("stablehlo.while" in text for text in overridden)
 
 
+@pytest.mark.private_jax
 def test_writes_for_cpu_are_fused_and_move_bits():
     cpu = Tricks.for_platform("cpu")
     fused = lowered_texts("cpu", cpu)

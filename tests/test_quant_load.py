@@ -216,6 +216,7 @@ def by_rows_and_columns(mesh):
 
 
 @pytest.mark.parametrize("config", SHARDED_CONFIGS, ids=lambda c: f"{c.scheme}-dq{c.double_quant}")
+@pytest.mark.cpu_mesh
 def test_quantised_weights_are_sharded_between_rows_of_whole_blocks(checkpoint, config):
     """On 8 devices, `sharding=` is given for the weight; NF4 codes and scales are split
     between rows over the mesh axes it names, int8 codes keep it; the values equal the
@@ -250,6 +251,7 @@ def test_quantised_weights_are_sharded_between_rows_of_whole_blocks(checkpoint, 
     np.testing.assert_array_equal(jax.jit(run)(got.blocks), run(plain.blocks))
 
 
+@pytest.mark.cpu_mesh
 def test_a_sharding_that_cuts_a_block_is_refused_naming_the_weight(checkpoint):
     """48 rows of 32 values in 8 shards: 6 rows, 192 values, not whole blocks of 128."""
     mesh = mesh_of((2, 4), ("data", "model"))
@@ -267,6 +269,7 @@ def test_a_sharding_that_cuts_a_block_is_refused_naming_the_weight(checkpoint):
     assert "whole blocks of 128" in str(caught.value), caught.value
 
 
+@pytest.mark.cpu_mesh
 def test_build_stacked_splits_codes_and_scales_alike_and_refuses_them_split_apart():
     """`build_stacked`'s rule sees the codes and scales: split alike into whole blocks, the
     stack equals the unsharded build; split apart, refused."""

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from harness import mesh_of
+from harness import mesh_of, tolerance
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, PRNGKeyArray
 
@@ -37,7 +37,8 @@ def highest_precision():
         yield
 
 
-def assert_close(found, expected, rtol=1e-6):
+def assert_close(found, expected, rtol=None):
+    rtol = tolerance("loop") if rtol is None else rtol  # 1e-6 on the CPU
     found_leaves, found_def = jax.tree.flatten(found)
     expected_leaves, expected_def = jax.tree.flatten(expected)
     assert found_def == expected_def
@@ -219,6 +220,7 @@ def test_fold_gradient_traces_one_layer_whatever_num_layers(getkey):
 # --- gradients: the index-reading backward pass -------------------------------------------------
 
 
+@pytest.mark.private_jax  # the hand-written backward pass against the public fallback
 @pytest.mark.parametrize("remat", REMATS)
 def test_fold_gradients_equal_the_earlier_scan_over_xs(mlp, remat):
     # The public fallback (the earlier path: `lax.scan` over the stack as `xs`) and the
@@ -470,6 +472,11 @@ def test_lora_gradient_temporaries_at_most_half_the_bfloat16_stack(trainable, bf
     ],
 )
 @pytest.mark.parametrize("trainable", ["adapters", "whole"])
+# XLA:CPU's plan (421 MiB on the H100 against this 64 MiB bar), and on this CPU the lean
+# figure only the private primitive reaches today (540 MiB with `EQX_LEAN_NO_PRIVATE_JAX=1`
+# for `none`; issue 46's public lean backward is to lift this mark).
+@pytest.mark.xla_cpu
+@pytest.mark.private_jax
 def test_lora_gradient_temporaries_on_every_remat_mode(trainable, remat):
     # No remat mode saves a copy of the stack, converted or not, nor a stack-sized zero: with
     # `None`, the layer's float32 copy of its weight is recomputed, not saved per layer.
@@ -776,6 +783,7 @@ def test_scan_stateful_layers_gradient_under_vmap_with_a_named_axis(getkey, rema
 
 
 @pytest.mark.slow
+@pytest.mark.cpu_mesh
 def test_fold_sharded_within_layers_on_8_devices():
     mesh = mesh_of((8,), ("model",), AxisType.Auto)
     keys = jax.random.split(jax.random.key(0), 4)
@@ -812,6 +820,7 @@ class BareLora(eqx.Module):
         return jnp.tanh(base + (x @ self.lora_a.T) @ self.lora_b.T)
 
 
+@pytest.mark.cpu_mesh
 def test_fold_gradients_come_back_in_the_stacks_sharding_on_8_devices():
     mesh = mesh_of((8,), ("model",), AxisType.Auto)
     dim, rank, num_layers = 32, 2, 4

@@ -279,6 +279,7 @@ RUNS = {
 
 
 @pytest.mark.parametrize("how", list(RUNS))
+@pytest.mark.cpu_mesh
 def test_a_sharded_layer_axis_is_refused_before_jax_sees_it(mlp, how):
     explicit = layers_and_model()
     with jax.set_mesh(explicit):
@@ -310,6 +311,7 @@ def layer_axis_replicated(stacked, mesh, how):
 
 
 @pytest.mark.parametrize("fix", ["device_put", "reshard-in-jit", "device_put-in-jit"])
+@pytest.mark.cpu_mesh
 def test_the_fix_the_message_gives_runs_and_matches_the_loop(mlp, fix):
     explicit = layers_and_model()
     how = fix.removesuffix("-in-jit")
@@ -327,6 +329,7 @@ def test_the_fix_the_message_gives_runs_and_matches_the_loop(mlp, fix):
 
 
 @pytest.mark.parametrize("where", ["auto", "one-device-axis"])
+@pytest.mark.cpu_mesh
 def test_on_auto_axes_and_over_one_device_a_sharded_layer_axis_still_runs(mlp, where):
     if where == "auto":
         # Over Auto axes (not in the type), JAX slices the layer axis itself.
@@ -342,6 +345,7 @@ def test_on_auto_axes_and_over_one_device_a_sharded_layer_axis_still_runs(mlp, w
         mlp.assert_matches_the_loop(found, with_grad=False)
 
 
+@pytest.mark.cpu_mesh
 def test_a_tuple_of_mesh_axes_is_named(mlp):
     explicit = layers_and_model()
     cube = mesh_of((2, 2, 2), ("layers", "model", "data"))

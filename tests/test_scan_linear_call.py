@@ -54,6 +54,7 @@ X = jnp.array([0.3, -1.2, 2.0])
 XS = jnp.stack([X, 0.5 * X])
 
 
+@pytest.mark.private_jax
 def test_reverse_mode_runs_the_custom_transpose():
     assert has_custom_transpose()
     loss = loss_with(twice_scale_transposed)
@@ -70,6 +71,7 @@ def test_forward_mode_runs_the_function():
     assert_close(jax.jacfwd(loss)(X), jax.jacfwd(reference)(X))
 
 
+@pytest.mark.private_jax
 def test_fallback_derives_the_transpose_from_the_function():
     with without_private_jax():
         assert not has_custom_transpose()

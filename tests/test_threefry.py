@@ -27,6 +27,7 @@ def fused_lower(traced: Any) -> Any:
     return lower(traced, Tricks(fused_threefry=True))
 
 
+@pytest.mark.private_jax
 def test_the_override_is_available_on_this_jax():
     # Without it the library still works, but every draw in `build_stacked` needs 4 x its size
     # in temporaries on CPU again: a JAX that drops the hook must fail here, not silently.
@@ -120,6 +121,8 @@ def write_draw(buffer, key):
     return buffer.at[0].set(draw.astype(buffer.dtype))
 
 
+@pytest.mark.private_jax
+@pytest.mark.xla_cpu
 def test_a_draw_fuses_into_its_write():
     buffer = jax.ShapeDtypeStruct((2, 1024, 1024), jnp.bfloat16)
     key = jax.random.key(0)
@@ -133,6 +136,8 @@ def test_a_draw_fuses_into_its_write():
     assert unrolled.alias_size_in_bytes == 2 * 1024 * 1024 * 2
 
 
+@pytest.mark.private_jax
+@pytest.mark.xla_cpu
 def test_the_override_is_scoped_to_the_programs_it_lowers():
     """A program lowered with the unrolled Threefry leaves every other program lowered by JAX's
     own rules: `jax.jit`'s lowering of the same write, before and after, keeps the temporaries
@@ -169,6 +174,8 @@ def test_without_the_override_the_build_is_the_same():
         np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
 
 
+@pytest.mark.private_jax
+@pytest.mark.xla_cpu
 def test_key_arithmetic_is_not_fused_into_the_draws_loop():
     """A derived key is hashed once, in a loop of its own, not for every element of the draw.
 
