@@ -12,6 +12,7 @@ import pytest
 from harness import mesh_of
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
+from eqx_lean.internal import platform_tricks
 from eqx_lean.nn import linear_cross_entropy
 
 
@@ -185,6 +186,61 @@ def test_temporaries_follow_the_chunk_not_the_logits():
 
     assert _temp_bytes(jax.grad(reference), *shapes) >= logits
     assert _temp_bytes(jax.grad(fused), *shapes) <= logits // 8
+
+
+def _scan_lengths(jaxpr):
+    """The `length` of every `scan` in a (closed) jaxpr, its sub-jaxprs included."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    lengths = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "scan":
+            lengths.append(eqn.params["length"])
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, tuple | list) else (param,):
+                if hasattr(sub, "eqns") or hasattr(getattr(sub, "jaxpr", None), "eqns"):
+                    lengths += _scan_lengths(sub)
+    return lengths
+
+
+@pytest.mark.parametrize(("platform", "chunk_mib"), [("cpu", 64), ("tpu", 64), ("gpu", 256)])
+def test_the_default_chunk_is_the_platforms(monkeypatch, platform, chunk_mib):
+    """`chunk_bytes=None` takes the platform's size from `eqx_lean._platform` (the lookup is
+    forced here): 256 MiB on a GPU (measured on one H200), 64 MiB on a CPU and a TPU. Seen in
+    the traced program (nothing compiles): the loss's scan runs `logits / chunk` chunks."""
+    seen = []
+
+    def forced(shardings):
+        seen.append(list(shardings))
+        return platform
+
+    monkeypatch.setattr(platform_tricks, "platform_of", forced)
+    seq, vocab = 65_536, 1024  # 256 MiB of float32 logits, 4 KiB a position
+    shapes = (
+        jax.ShapeDtypeStruct((1, seq, 2), jnp.float32),
+        jax.ShapeDtypeStruct((vocab, 2), jnp.float32),
+        jax.ShapeDtypeStruct((1, seq), jnp.int32),
+    )
+    # A new function each time: JAX caches the traces of one.
+    jaxpr = jax.make_jaxpr(lambda *args: linear_cross_entropy(*args))(*shapes)
+    assert _scan_lengths(jaxpr) == [256 // chunk_mib]
+    assert seen == [[]]  # inside a trace: JAX's default backend's platform
+    # An explicit `chunk_bytes` is kept whatever the platform.
+    jaxpr = jax.make_jaxpr(lambda *args: linear_cross_entropy(*args, chunk_bytes=32 * MiB))(*shapes)
+    assert _scan_lengths(jaxpr) == [8]
+
+
+def test_a_placed_array_asks_for_its_own_platform(monkeypatch):
+    """Outside a trace the platform is that of the hidden states' devices."""
+    seen = []
+
+    def recorded(shardings):
+        seen.append(list(shardings))
+        return "cpu"
+
+    monkeypatch.setattr(platform_tricks, "platform_of", recorded)
+    h, w, _, labels = inputs()
+    linear_cross_entropy(h, w, labels)
+    assert seen == [[h.sharding]]
 
 
 def test_arguments_are_checked_naming_them():
