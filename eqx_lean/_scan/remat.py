@@ -1,7 +1,9 @@
 """Gradient checkpointing of stacked layers: the `remat=` option of `fold` and `scan`."""
 
+import functools
 import inspect
 import math
+import types
 from collections.abc import Callable
 from typing import Any, Literal, TypeAlias
 
@@ -77,8 +79,48 @@ _PROBES = (
 _PROBE_PARAMS = {"dimension_numbers": None, "precision": None, "preferred_element_type": None}
 
 
+@functools.cache
+def _made_by_jax() -> tuple[type, ...]:
+    """The classes of the policies `jax.checkpoint_policies` makes, where they are classes.
+
+    Some are functions, some frozen dataclasses with `__call__`, by JAX version (on 0.10.2
+    `save_and_offload_only_these_names` makes a function; in jax/_src/ad_checkpoint.py at
+    jax-ml/jax@cec06d1, 0.11.1, it makes a dataclass too: `DotsSaveable` line 80,
+    `SaveOnlyTheseNames` 132, `SaveAnyNamesButThese` 140, `SaveAndOffloadOnlyTheseNames` 152),
+    so `callable()` cannot tell them from a function;
+    under `jax_remat3` JAX recognises them by class (`CheckpointName.remat`, lines 1223-1247;
+    jax/_src/lax/lax.py line 6055 for `DotsSaveable`). Found from the public factories'
+    results, so no private name is imported."""
+    policies = jax.checkpoint_policies
+    made = [
+        policies.dots_saveable,
+        policies.dots_with_no_batch_dims_saveable,
+        policies.save_only_these_names("name"),
+        policies.save_any_names_but_these("name"),
+        policies.save_and_offload_only_these_names(
+            names_which_can_be_saved=(),
+            names_which_can_be_offloaded=("name",),
+            offload_src="device",
+            offload_dst="pinned_host",
+        ),
+        policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
+    ]
+    return tuple({type(p) for p in made if not isinstance(p, types.FunctionType)})
+
+
+def _remat3() -> bool:
+    """Whether JAX's `jax_remat3` is on (an option of JAX 0.11 and later, off by default)."""
+    return bool(getattr(jax.config, "jax_remat3", False))
+
+
 def check_policy(policy: Callable[..., Any], argument: str) -> None:
     """Refuses a callable that `jax.checkpoint` cannot call as a policy, by its signature.
+
+    A policy `jax.checkpoint_policies` made is accepted whatever its form (a function on JAX
+    0.10, a dataclass instance later: `_made_by_jax`). Under `jax_remat3`, JAX never calls a
+    policy function: it reads its own policies by class, and treats any other callable but
+    `everything_saveable` as `nothing_saveable` (jax/_src/ad_checkpoint.py lines 1223-1247 at
+    jax-ml/jax@cec06d1), so such a callable is refused, naming the name-based equivalent.
 
     `jax.checkpoint` calls a policy as `policy(primitive, *avals, **params)` for each operation,
     with one operand or more and the operation's parameters as keywords; a callable that cannot
@@ -87,6 +129,19 @@ def check_policy(policy: Callable[..., Any], argument: str) -> None:
     that names no argument. Nothing is called. A callable whose signature cannot be read is
     accepted, and so is one whose signature fits: what it returns is checked by JAX.
     """
+    if isinstance(policy, _made_by_jax()):
+        return
+    policies = jax.checkpoint_policies
+    if _remat3() and policy not in (policies.everything_saveable, policies.nothing_saveable):
+        raise TypeError(
+            f"{argument}: JAX's `jax_remat3` is on, and under it JAX never calls a policy "
+            f"function such as {policy!r}: it reads only the policies "
+            "`jax.checkpoint_policies` makes. Name what to keep with "
+            "`jax.ad_checkpoint.checkpoint_name(x, name)` and pass "
+            "`jax.checkpoint_policies.save_only_these_names(name, ...)` (or "
+            "`save_and_offload_only_these_names(...)` to keep it in host memory), or pass "
+            "`jax.checkpoint_policies.dots_saveable`."
+        )
     try:
         signature = inspect.signature(policy)
     except (TypeError, ValueError):

@@ -29,6 +29,7 @@ from jaxtyping import Array
 from .. import _arguments as arguments, lora  # the module, not its names: see the note above
 from .._core import tree_bytes
 from .._core.sharding import explicit_type_sharding, mesh_axis_size
+from .._scan.remat import Remat
 from ..quant._linear import quantize_linears
 from ._config import MistralConfig
 from ._data import batches
@@ -38,7 +39,7 @@ from ._train import _import_optax, adamw, next_token_loss
 
 
 def make_lora_step(
-    optimizer: Any, *, remat: bool = True, grad_accum: int = 1
+    optimizer: Any, *, remat: Remat = True, grad_accum: int = 1
 ) -> jax.stages.Wrapped:
     """A jitted LoRA training step: `(frozen, adapters, opt_state, input_ids, key) -> (adapters,
     opt_state, loss)`.
@@ -46,7 +47,11 @@ def make_lora_step(
     **Arguments:**
 
     - `optimizer`: an optax optimizer of the adapters (such as [`adamw`][eqx_lean.hf.adamw]).
-    - `remat`: recompute each layer's activations in the backward pass instead of saving them.
+    - `remat`: recompute each layer's activations in the backward pass instead of saving them:
+        what `remat=` of [`eqx_lean.fold`][] takes, `True` or a checkpoint policy, such as the
+        name-based `jax.checkpoint_policies.save_only_these_names(eqx_lean.hf.LAYER_INPUT)`
+        (keep each layer's input) or `save_and_offload_only_these_names(...)` (keep it in host
+        memory).
     - `grad_accum`: gradient accumulation: `input_ids` of shape `[grad_accum * micro, seq]`
         are cut into `grad_accum` micro-batches of `micro` consecutive rows, run one after
         the other (a `lax.scan`, so activations are those of one micro-batch), and their
