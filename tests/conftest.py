@@ -64,7 +64,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 # XLA:GPU computes float32 dots in TF32 unless told otherwise (measured on the H100: float32
 # logits 0.019-0.038 from transformers', docs/benchmarks.md); the suite's float32 parity checks
 # against torch, loops and NumPy mean full float32, as on the CPU, where this changes nothing.
-if not on_cpu():
+if os.environ["JAX_PLATFORMS"] != "cpu" and not on_cpu():  # (no backend started for "cpu")
     jax.config.update("jax_default_matmul_precision", "highest")
 
 
