@@ -5,6 +5,12 @@ Numerics follow HuggingFace `transformers` (`MistralForCausalLM`, `LlamaForCausa
 float32, rotary embeddings in HF's `rotate_half` layout (`default` or `llama3` frequencies),
 softmax in float32, a sliding window in which a query sees `sliding_window` keys including
 itself, per layer where the layers differ (Qwen2's `layer_types`).
+
+Attention over a whole sequence (training, a model's call, `hidden_states`) is
+[`eqx_lean.nn.attention`][] by default: blockwise, never holding `[heads, seq, seq]` scores;
+`attention="eager"` computes HF's eager attention instead (every score, softmax in float32),
+the reference the blockwise path is tested against. Decoding with a [`KVCache`][] always takes
+the eager path over the cache.
 """
 
 import dataclasses
@@ -24,6 +30,7 @@ import eqx_lean
 from .. import _arguments as arguments
 from .._core.sharding import explicit_type_sharding, like_last_axis, resharded_like
 from .._product import linear_product
+from ..nn import attention as blockwise_attention
 from ._config import MistralConfig
 from ._rope import (
     apply_rotary,
@@ -95,6 +102,15 @@ def _split_key(key: PRNGKeyArray | None, num: int) -> list[PRNGKeyArray | None]:
 
 KV = tuple[Float[Array, "batch seq kv_heads head_dim"], Float[Array, "batch seq kv_heads head_dim"]]
 
+ATTENTION_KINDS = ("blockwise", "eager")
+
+
+def check_attention(attention: Any) -> str:
+    """`attention` if it names a kind the decoder computes; a `ValueError` otherwise."""
+    if attention not in ATTENTION_KINDS:
+        raise ValueError(f'`attention` must be "blockwise" or "eager"; got {attention!r}.')
+    return attention
+
 
 class Attention(eqx.Module):
     """Grouped-query self-attention with rotary embeddings (HF eager-attention numerics)."""
@@ -117,11 +133,14 @@ class Attention(eqx.Module):
         *,
         window: int | Int[Array, ""] | None = None,
         key: PRNGKeyArray | None = None,
+        attention: str = "blockwise",
     ) -> tuple[Float[Array, "batch seq hidden"], KV]:
         """Attends from `x` to itself and to `past` (keys and values already rotated).
 
         `window` is this layer's sliding window (`None`: full causal attention). `key`, when
-        given, is split between the four projections (for LoRA dropout).
+        given, is split between the four projections (for LoRA dropout). `attention` is
+        `"blockwise"` ([`eqx_lean.nn.attention`][], used where there is no `past`) or
+        `"eager"` (every score held, HF's eager numerics: the reference).
 
         **Returns:**
 
@@ -135,6 +154,13 @@ class Attention(eqx.Module):
         k = _project(self.k_proj, x, k_key).reshape(batch, seq, self.num_kv_heads, self.head_dim)
         v = _project(self.v_proj, x, v_key).reshape(batch, seq, self.num_kv_heads, self.head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+        if past is None and attention == "blockwise":
+            # `positions` run from 0 without gaps here (a call over the whole sequence), so
+            # the causal mask and the window are those of the sequence's indices.
+            out = blockwise_attention(q, k, v, causal=True, window=window)
+            out = out.reshape(batch, seq, self.num_heads * self.head_dim)
+            return _project(self.o_proj, out, o_key), (k, v)
 
         keys, values, key_positions = k, v, positions
         if past is not None:
@@ -202,8 +228,10 @@ class DecoderBlock(eqx.Module):
         *,
         window: int | Int[Array, ""] | None = None,
         key: PRNGKeyArray | None = None,
+        attention: str = "blockwise",
     ) -> tuple[Float[Array, "batch seq hidden"], KV]:
-        """One layer on `x`; `window` is its sliding window (`None`: full attention)."""
+        """One layer on `x`; `window` is its sliding window (`None`: full attention),
+        `attention` as for [`Attention`][]."""
         x = checkpoint_name(x, LAYER_INPUT)
         attn_key, mlp_key = _split_key(key, 2)
         attended, kv = self.self_attn(
@@ -214,6 +242,7 @@ class DecoderBlock(eqx.Module):
             past_positions,
             window=window,
             key=attn_key,
+            attention=attention,
         )
         x = x + attended
         return x + self.mlp(self.post_attention_layernorm(x), key=mlp_key), kv
@@ -355,6 +384,7 @@ class Mistral(eqx.Module):
         remat: bool | None = None,
         key: PRNGKeyArray | None = None,
         final_hidden: bool = False,
+        attention: str = "blockwise",
     ) -> tuple[Float[Array, "batch seq vocab"], KV | None]:
         if input_ids.ndim != 2:
             raise ValueError(f"`input_ids` must have shape [batch, seq]; got {input_ids.shape}.")
@@ -382,7 +412,16 @@ class Mistral(eqx.Module):
         ) -> tuple[Array, KV | None]:
             past_i, key_i, window_i = per_layer
             window = windows[0] if uniform else window_i
-            x, kv = block(x, rotary, positions, past_i, past_positions, window=window, key=key_i)
+            x, kv = block(
+                x,
+                rotary,
+                positions,
+                past_i,
+                past_positions,
+                window=window,
+                key=key_i,
+                attention=attention,
+            )
             return x, (kv if keep_kv else None)
 
         x, new_kv = eqx_lean.scan(
@@ -401,6 +440,7 @@ class Mistral(eqx.Module):
         *,
         remat: bool | None = None,
         key: PRNGKeyArray | None = None,
+        attention: str = "blockwise",
     ) -> Float[Array, "batch seq vocab"]:
         """Logits for every position of `input_ids` (causal, from position 0).
 
@@ -410,13 +450,19 @@ class Mistral(eqx.Module):
         - `remat`: recompute each block's activations in the backward pass (for training).
         - `key`: randomness for training-time layers (LoRA dropout, see `lora.py`); `None`
             runs them deterministically, as in inference.
+        - `attention`: `"blockwise"` ([`eqx_lean.nn.attention`][]: no `[heads, seq, seq]`
+            scores held) or `"eager"` (HF's eager attention, every score held: the float32
+            reference).
 
         **Returns:**
 
         Logits of shape `[batch, seq, vocab]`, in the model's dtype.
         """
+        attention = check_attention(attention)
         positions = jnp.arange(input_ids.shape[1], dtype=jnp.int32)
-        logits, _ = self._logits(input_ids, positions, None, None, remat=remat, key=key)
+        logits, _ = self._logits(
+            input_ids, positions, None, None, remat=remat, key=key, attention=attention
+        )
         return logits
 
     def hidden_states(
@@ -425,6 +471,7 @@ class Mistral(eqx.Module):
         *,
         remat: Any = None,
         key: PRNGKeyArray | None = None,
+        attention: str = "blockwise",
     ) -> Float[Array, "batch seq hidden"]:
         """The final hidden states of every position (after the final norm, before the head):
         what a fused loss such as [`eqx_lean.nn.linear_cross_entropy`][] takes instead of the
@@ -439,9 +486,17 @@ class Mistral(eqx.Module):
         Hidden states of shape `[batch, seq, hidden]`, in the model's dtype; the logits are
         `hidden_states @ head.T`, the head being `lm_head.weight` or, when tied, the embedding.
         """
+        attention = check_attention(attention)
         positions = jnp.arange(input_ids.shape[1], dtype=jnp.int32)
         x, _ = self._logits(
-            input_ids, positions, None, None, remat=remat, key=key, final_hidden=True
+            input_ids,
+            positions,
+            None,
+            None,
+            remat=remat,
+            key=key,
+            final_hidden=True,
+            attention=attention,
         )
         return x
 

@@ -9,7 +9,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._core.sharding import resharded_like
 from ..nn import linear_cross_entropy
-from ._model import Mistral
+from ._model import Mistral, check_attention
 
 
 IGNORE_INDEX = -100
@@ -25,6 +25,7 @@ def next_token_loss(
     key: PRNGKeyArray | None = None,
     fused: bool = True,
     chunk_bytes: int | None = None,
+    attention: str = "blockwise",
 ) -> Float[Array, ""]:
     """Mean cross-entropy of predicting token `t+1` from tokens `<= t`, with HF's `labels`.
 
@@ -47,6 +48,8 @@ def next_token_loss(
     - `fused`: `False` computes the loss the textbook way (float32 logits, `log_softmax`): the
         reference the fused loss is tested against.
     - `chunk_bytes`: as for `linear_cross_entropy` (`None`: its default).
+    - `attention`: `"blockwise"` ([`eqx_lean.nn.attention`][], no `[heads, seq, seq]` scores
+        held) or `"eager"` (every score held, HF's eager attention: the reference).
 
     **Returns:**
 
@@ -68,6 +71,7 @@ def next_token_loss(
     assert jnp.allclose(loss, textbook, rtol=1e-5)
     ```
     """
+    attention = check_attention(attention)
     if labels is None:
         labels = input_ids
     if labels.shape != input_ids.shape or not jnp.issubdtype(labels.dtype, jnp.integer):
@@ -80,7 +84,7 @@ def next_token_loss(
     targets = jnp.concatenate([labels[:, 1:], resharded_like(ignored, labels)], axis=1)
     head = model.lm_head
     if fused and (head is None or isinstance(head, eqx.nn.Linear)):
-        hidden = model.hidden_states(input_ids, remat=remat, key=key)
+        hidden = model.hidden_states(input_ids, remat=remat, key=key, attention=attention)
         weight = model.embed_tokens.weight if head is None else head.weight
         bias = None if head is None else head.bias
         return linear_cross_entropy(
@@ -91,7 +95,7 @@ def next_token_loss(
             ignore_index=IGNORE_INDEX,
             chunk_bytes=chunk_bytes,
         )
-    logits = model(input_ids, remat=remat, key=key).astype(jnp.float32)
+    logits = model(input_ids, remat=remat, key=key, attention=attention).astype(jnp.float32)
     log_probs = jax.nn.log_softmax(logits, axis=-1)
     # The target's log-probability as a masked sum over the vocabulary (one nonzero term: the
     # value `take_along_axis` would pick, exactly). Unlike a gather, it needs no output
