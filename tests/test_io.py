@@ -484,6 +484,7 @@ def sharded_checkpoint(tmp_path_factory) -> ShardedCheckpoint:
 
 
 @pytest.mark.parametrize("host_writes", [True, False], ids=["host_writes", "compiled_writes"])
+@pytest.mark.cpu_mesh
 def test_sharded_load_on_8_devices_equals_unsharded(
     sharded_checkpoint, host_writes, monkeypatch, tmp_path
 ):

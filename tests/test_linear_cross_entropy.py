@@ -123,6 +123,7 @@ def test_leading_axes_and_a_chunk_of_one_position():
 
 
 @pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
+@pytest.mark.cpu_mesh
 def test_sharded_batch_and_head_give_the_unsharded_values(axis_type):
     h, w, b, labels = inputs(batch=4)
     mesh = mesh_of((2, 2), ("data", "fsdp"), axis_type)

@@ -411,6 +411,8 @@ def test_xla_cpu_copies_the_weight_for_a_plain_bfloat16_dot():
     assert _product_temp(lambda x, w: jnp.einsum("ti,oi->to", x, w)) >= weight_f32
 
 
+# XLA:CPU's plan too: the bounds failed on the H200 (2026-11-28, the GPU as default backend).
+@pytest.mark.xla_cpu
 def test_bfloat16_product_needs_no_float32_copy_of_the_weight():
     """The float32-result product, and its gradient with respect to the input, read the weight
     as it is and hold activation-sized temporaries only."""
@@ -423,6 +425,7 @@ def test_bfloat16_product_needs_no_float32_copy_of_the_weight():
     assert _product_temp(input_grad) <= 2 * result_f32
 
 
+@pytest.mark.xla_cpu
 @pytest.mark.parametrize("leading", [(1,), (1, 1), ()], ids=str)
 def test_a_one_row_bfloat16_product_needs_no_float32_copy_either(leading):
     """One row (a decode step) is a matrix-vector dot, which XLA:CPU lowers with a float32

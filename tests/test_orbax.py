@@ -24,6 +24,10 @@ from test_docs import code_blocks
 import eqx_lean
 
 
+# The page's meshes span the eight forced CPU devices (on a GPU machine too).
+pytestmark = pytest.mark.cpu_mesh
+
+
 PAGE = "docs/orbax.md"
 
 

@@ -253,6 +253,7 @@ def test_slices_are_whole_blocks_and_rows_or_none():
     assert rows((2053, 1021), "int8") == 1  # int8 scales are per row: any row count
 
 
+@pytest.mark.xla_cpu
 def test_an_evaluated_product_never_holds_the_whole_decoded_weight():
     """XLA's CPU plan of a 4096 x 14336 NF4 product with 8 tokens: the decoded weight would be
     112 MiB of bfloat16; a slice is 2 MiB."""

@@ -11,13 +11,14 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from harness import TINY_DECODER, tolerance
 from jax.ad_checkpoint import checkpoint_name
 
 import eqx_lean
 from eqx_lean import hf, lora
-from eqx_lean._scan import remat as remat_module
+from eqx_lean.internal import remat as remat_module
 
 
 NAME = "layer_input"
@@ -101,7 +102,10 @@ def lora_model() -> tuple[Any, Any, Any]:
 
 def lora_steps(lora_model, remat: Any) -> tuple[Any, list[float]]:
     adapters, frozen, ids = lora_model
-    optimizer = hf.adamw(1e-2)
+    # Plain SGD: the update is linear in the gradient. (Adam divides by the gradient's running
+    # size, so where LoRA's B starts at zero the gradient's last bits decide it, and a GPU's
+    # recomputation under remat changes those bits.)
+    optimizer = optax.sgd(0.1)
     opt_state = optimizer.init(adapters)
     adapters = jax.tree.map(jnp.copy, adapters)  # the step donates them
     step = hf.make_lora_step(optimizer, remat=remat)
@@ -127,7 +131,12 @@ def test_make_lora_step_takes_name_based_policies_of_the_layer_input(
     adapters, losses = lora_steps(lora_model, name_policies(hf.LAYER_INPUT)[policy])
     expected_adapters, expected_losses = lora_reference
     np.testing.assert_allclose(losses, expected_losses, rtol=tolerance("loop"))
-    assert_close(eqx.filter(adapters, eqx.is_array), eqx.filter(expected_adapters, eqx.is_array))
+    found = jax.tree.leaves(eqx.filter(adapters, eqx.is_array))
+    expected = jax.tree.leaves(eqx.filter(expected_adapters, eqx.is_array))
+    for a, b in zip(found, expected, strict=True):
+        b = np.asarray(b)
+        atol = tolerance("loop") * np.abs(b).max()
+        np.testing.assert_allclose(np.asarray(a), b, rtol=tolerance("loop"), atol=atol)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -92,6 +92,7 @@ from .._scan.linear_call import (
     has_custom_transpose as has_custom_transpose,
     linear_call_with_transpose as linear_call_with_transpose,
 )
+from .._scan import remat as remat  # seam module: `_made_by_jax`, `_remat3`, `check_remat`
 from .._threefry import (
     _threefry2x32_rolled as threefry2x32_rolled,
     threefry2x32_unrolled as threefry2x32_unrolled,
