@@ -24,6 +24,9 @@ PYTHON="${PYTHON:-python3}"
 export JAX_PLATFORMS="${GPU_TESTS_PLATFORMS:-cuda}"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# Each failure's last traceback line, written as it happens (tests/conftest.py).
+export EQX_LEAN_TEST_FAILURE_LOG="$PWD/$OUT/failure-messages.txt"
+case "$OUT" in /*) EQX_LEAN_TEST_FAILURE_LOG="$OUT/failure-messages.txt" ;; esac
 {
     date -u
     git rev-parse HEAD 2>/dev/null || true
@@ -39,8 +42,10 @@ status=$?
 echo "pytest exit status $status after $(($(date +%s) - start)) s" | tee -a "$OUT/tier.log"
 # What came back, short: the summary line, and each failure and error with its first message.
 grep -E "^(FAILED|ERROR) " "$OUT/tier.log" | cut -c1-300 >"$OUT/failures.txt"
+touch "$OUT/failure-messages.txt"
 grep -E "^SKIPPED " "$OUT/tier.log" | cut -c1-300 >"$OUT/skips.txt"
 grep -E "^=+ .* in [0-9.]+s" "$OUT/tier.log" | tail -n 1
 echo "failures and errors: $(wc -l <"$OUT/failures.txt"), skip lines: $(wc -l <"$OUT/skips.txt")"
 cat "$OUT/failures.txt"
+echo "messages, as they happened (failure-messages.txt): $(wc -l <"$OUT/failure-messages.txt")"
 exit 0

@@ -46,7 +46,7 @@ from compile_report import (  # noqa: E402, F401  (pytest's hooks, found here by
     pytest_addoption,
     pytest_collection_modifyitems,
     pytest_configure,
-    pytest_runtest_logreport,
+    pytest_runtest_logreport as compile_report_logreport,
     pytest_runtest_makereport,
     pytest_runtest_setup,
     pytest_sessionfinish,
@@ -66,6 +66,22 @@ jax.config.update("jax_num_cpu_devices", 8)
 # against torch, loops and NumPy mean full float32, as on the CPU, where this changes nothing.
 if os.environ["JAX_PLATFORMS"] != "cpu" and not on_cpu():  # (no backend started for "cpu")
     jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """The compile report's hook; and, with `EQX_LEAN_TEST_FAILURE_LOG` set (as
+    `benchmarks/gpu_tests.sh` sets it), each failure's or error's message appended
+    to that file as it happens, by the controlling process: a run cut short keeps them (xdist
+    prints tracebacks only at the end)."""
+    compile_report_logreport(report)
+    path = os.environ.get("EQX_LEAN_TEST_FAILURE_LOG")
+    if path and report.failed and "PYTEST_XDIST_WORKER" not in os.environ:
+        crash = getattr(report.longrepr, "reprcrash", None)
+        lines = [line for line in report.longreprtext.splitlines() if line.strip()]
+        message = crash.message if crash is not None else (lines[-1] if lines else "")
+        message = " ".join(message.split())
+        with open(path, "a") as file:
+            file.write(f"{report.nodeid} ({report.when}): {message[:400]}\n")
 
 
 _PLATFORM_MARKERS = ("xla_cpu", "private_jax")
