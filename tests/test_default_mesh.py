@@ -343,6 +343,41 @@ def test_qlora_step_with_gradient_accumulation(checkpoint, auto_qlora_loss, kind
     assert abs(found - auto_qlora_loss) <= 2**-8 * abs(auto_qlora_loss)
 
 
+def masked_lora_step(path: Path, mesh: Mesh | None) -> tuple[float, Any]:
+    """One LoRA SGD step of two micro-batches of four rows whose prompts (0 to 14 tokens) are
+    masked with -100 (51 and 20 targets), the labels sharded like the ids: the loss and the
+    updated adapters."""
+    model = hf.load_hf(path, sharding=None if mesh is None else eqx_lean.fsdp(mesh))
+    config = lora.LoraConfig(r=4, target_modules=TARGETS)
+    model = lora.add_lora(model, config, key=jax.random.key(1))
+    adapters, frozen = eqx.partition(model, lora.lora_filter(model))
+    optimizer = optax.sgd(0.1)
+    step = hf.make_lora_step(optimizer, grad_accum=2)
+    ids = _ids()
+    labels = ids.copy()
+    for row in range(BATCH):
+        labels[row, : 2 * row] = -100
+    placed = [jnp.asarray(ids), jnp.asarray(labels)]
+    if mesh is not None:
+        rows = NamedSharding(mesh, P("data", None))
+        placed = [jax.device_put(x, rows) for x in (ids, labels)]
+    new, _, loss = step(frozen, adapters, optimizer.init(adapters), placed[0], None, placed[1])
+    return float(loss), new
+
+
+@pytest.mark.parametrize("kind", ["explicit", "auto"])
+def test_masked_labels_sharded_like_the_ids_in_micro_batches(checkpoint, kind):
+    """`labels` cut into micro-batches as the ids are (gathered, then each micro-batch's rows
+    sharded or replicated on Explicit axes): the one-device loss and update."""
+    expected, expected_adapters = masked_lora_step(checkpoint, None)
+    loss, adapters = masked_lora_step(checkpoint, _mesh(kind))
+    assert abs(loss - expected) <= 1e-6 * abs(expected)
+    for leaf, one in zip(
+        jax.tree.leaves(adapters), jax.tree.leaves(expected_adapters), strict=True
+    ):
+        np.testing.assert_allclose(np.asarray(leaf), np.asarray(one), rtol=0, atol=1e-6)
+
+
 # --- fold on meshes mixing Explicit and Auto axes ---------------------------------------------
 
 

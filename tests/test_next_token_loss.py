@@ -11,6 +11,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from harness import TINY_DECODER
 from jax.ad_checkpoint import checkpoint_name, print_saved_residuals
@@ -18,7 +19,16 @@ from test_mistral import tokens
 from test_mistral_lora import ALL, _our_grads, _torch_lora_grads, base_checkpoint, peft_model
 
 import eqx_lean
-from eqx_lean.hf import LAYER_INPUT, MistralConfig, init, load_adapters, load_hf, next_token_loss
+from eqx_lean.hf import (
+    LAYER_INPUT,
+    MistralConfig,
+    init,
+    load_adapters,
+    load_hf,
+    make_lora_step,
+    make_train_step,
+    next_token_loss,
+)
 from eqx_lean.lora import lora_filter
 
 
@@ -73,6 +83,54 @@ def test_loss_and_adapter_gradients_with_a_masked_prompt_match_peft(tmp_path):
         assert np.abs(got[tensor] - reference).max() <= 1e-5 * np.abs(reference).max(), tensor
 
 
+# A gradient "optimizer": the update is zero and the state's trace is the gradient, exactly.
+GRADIENT_OF = optax.chain(optax.trace(decay=0.0), optax.scale(0.0))
+
+
+def test_accumulated_lora_step_matches_transformers_num_items_in_batch(tmp_path):
+    """transformers' gradient accumulation (its `Trainer`): each micro-batch's summed loss
+    divided by `num_items_in_batch`, the whole batch's count of shifted labels, and the
+    gradients added. Two micro-batches of one row, prompts of 5 and 9 masked (10 and 6
+    targets), against `make_lora_step(grad_accum=2)` with the same labels."""
+    hf, base = base_checkpoint(tmp_path, "head_dim", seed=5, std=0.05)
+    wrapped = peft_model(hf, r=4, alpha=8, targets=ALL, std=0.05)
+    wrapped.save_pretrained(tmp_path / "peft")
+    batch = tokens(7, batch=2, seq=16)
+    labels = masked(batch)
+    num_items = torch.tensor(int(np.sum(labels[:, 1:] != -100)))
+    wrapped.train()
+    expected = 0.0
+    for row in range(2):
+        micro = wrapped(
+            torch.from_numpy(batch[row : row + 1].astype(np.int64)),
+            labels=torch.from_numpy(labels[row : row + 1].astype(np.int64)),
+            num_items_in_batch=num_items,
+        ).loss
+        micro.backward()
+        expected += micro.item()
+    expected_grads = _torch_lora_grads(wrapped)
+
+    model = load_adapters(load_hf(base, dtype=jnp.float32), tmp_path / "peft")
+    adapters, frozen = eqx.partition(model, lora_filter(model))
+    step = make_lora_step(GRADIENT_OF, grad_accum=2)
+    with jax.default_matmul_precision("highest"):
+        _, state, loss = step(
+            frozen,
+            adapters,
+            GRADIENT_OF.init(adapters),
+            jnp.asarray(batch),
+            None,
+            jnp.asarray(labels),
+        )
+    assert abs(float(loss) / expected - 1) <= 1e-5
+    got = _our_grads(state[0].trace, model.config.num_hidden_layers)
+    assert sorted(got) == sorted(expected_grads)
+    for tensor, reference in expected_grads.items():
+        scale = np.abs(reference).max()
+        assert scale > 0, tensor
+        assert np.abs(got[tensor] - reference).max() <= 1e-4 * scale, tensor
+
+
 @pytest.fixture(scope="module")
 def tied():
     """A tiny float32 model whose head is its embedding, built once for the module."""
@@ -106,6 +164,29 @@ def test_a_tied_model_fully_differentiated_matches_the_textbook_loss(tied):
     assert abs(float(default) / float(every) - 1) <= 1e-6
     with pytest.raises(ValueError, match="`labels` must be integers of `input_ids`' shape"):
         next_token_loss(model, batch, labels=batch[:, :-1])
+
+
+def test_the_full_fine_tuning_step_takes_labels(tied):
+    """`make_train_step(...)(model, opt_state, ids, labels)`: the loss and gradient of the
+    textbook loss with those labels (the gradient read from the optimizer's state)."""
+    batch = jnp.asarray(tokens(3, batch=2, seq=12))
+    labels = jnp.asarray(masked(np.asarray(batch)))
+    params = eqx.filter(tied, eqx.is_array)
+
+    @eqx.filter_jit
+    def textbook(model):
+        return eqx.filter_value_and_grad(
+            lambda m: next_token_loss(m, batch, labels=labels, fused=False)
+        )(model)
+
+    with jax.default_matmul_precision("highest"):
+        expected, expected_grads = textbook(tied)
+        step = make_train_step(GRADIENT_OF)
+        _, state, loss = step(tied, GRADIENT_OF.init(params), batch, labels)
+    assert abs(float(loss) / float(expected) - 1) <= 1e-6
+    got, want = jax.tree.leaves(state[0].trace), jax.tree.leaves(expected_grads)
+    for g, w in zip(got, want, strict=True):
+        assert np.abs(np.asarray(g - w)).max() <= 1e-5 * np.abs(np.asarray(w)).max()
 
 
 def test_a_name_based_policy_saves_the_named_layer_input(tied):

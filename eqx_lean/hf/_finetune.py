@@ -35,14 +35,14 @@ from ._config import MistralConfig
 from ._data import batches
 from ._model import Mistral, init
 from ._state import FinetuneState, load_state, save_state as save
-from ._train import _import_optax, adamw, next_token_loss
+from ._train import _import_optax, adamw, counted_targets, next_token_loss
 
 
 def make_lora_step(
     optimizer: Any, *, remat: Remat = True, grad_accum: int = 1
 ) -> jax.stages.Wrapped:
-    """A jitted LoRA training step: `(frozen, adapters, opt_state, input_ids, key) -> (adapters,
-    opt_state, loss)`.
+    """A jitted LoRA training step: `(frozen, adapters, opt_state, input_ids, key, labels=None)
+    -> (adapters, opt_state, loss)`.
 
     **Arguments:**
 
@@ -53,35 +53,49 @@ def make_lora_step(
         (keep each layer's input) or `save_and_offload_only_these_names(...)` (keep it in host
         memory).
     - `grad_accum`: gradient accumulation: `input_ids` of shape `[grad_accum * micro, seq]`
-        are cut into `grad_accum` micro-batches of `micro` consecutive rows, run one after
-        the other (a `lax.scan`, so activations are those of one micro-batch), and their
-        gradients summed in float32 into one update. The loss and the update are those of the
-        whole batch (the mean of the micro-batch means, equal sizes), up to float32 rounding.
-        With LoRA dropout, micro-batch `j` draws with `jax.random.fold_in(key, j)`.
+        are cut into `grad_accum` micro-batches of `micro` consecutive rows (and `labels`
+        with them), run one after the other (a `lax.scan`, so activations are those of one
+        micro-batch), and their summed losses and gradients added in float32, then divided
+        by the whole batch's count of targets, as transformers' `Trainer` does with
+        `num_items_in_batch`: the loss and the update are those of the whole batch, however
+        the masked positions fall among the micro-batches, up to float32 rounding. With LoRA
+        dropout, micro-batch `j` draws with `jax.random.fold_in(key, j)`.
 
     **Returns:**
 
     The jitted step. `adapters` and `frozen` are the two halves of
     `eqx.partition(model, lora_filter(model))`. The adapters and the optimizer state are
     donated (updated in place); the frozen base, the batch and the key are not. `key` drives
-    LoRA dropout (`None` when there is none). The returned loss is the float32 mean over the
-    batch.
+    LoRA dropout (`None` when there is none). `labels` is as for
+    [`next_token_loss`][eqx_lean.hf.next_token_loss] (HF's meaning: unshifted, `-100` not
+    trained on; `None`: every next token), shaped and sharded like `input_ids`. The returned
+    loss is the float32 mean over the batch's counted targets.
     """
     optax = _import_optax()
     if not isinstance(grad_accum, int) or grad_accum < 1:
         raise ValueError(f"`grad_accum` must be a positive integer; got {grad_accum!r}.")
 
     def step(
-        frozen: Mistral, adapters: Mistral, opt_state: Any, input_ids: Array, key: Any
+        frozen: Mistral,
+        adapters: Mistral,
+        opt_state: Any,
+        input_ids: Array,
+        key: Any,
+        labels: Array | None = None,
     ) -> tuple[Mistral, Any, Array]:
-        def loss_of(adapters: Mistral, ids: Array, key: Any) -> Array:
+        def loss_of(
+            adapters: Mistral, ids: Array, labels: Array | None, key: Any, reduction: Any = "mean"
+        ) -> Array:
             model = eqx.combine(adapters, frozen)
-            return next_token_loss(model, ids, remat=remat, key=key).astype(jnp.float32)
+            loss = next_token_loss(
+                model, ids, labels=labels, remat=remat, key=key, reduction=reduction
+            )
+            return loss.astype(jnp.float32)
 
         if grad_accum == 1:
-            loss, grads = jax.value_and_grad(loss_of)(adapters, input_ids, key)
+            loss, grads = jax.value_and_grad(loss_of)(adapters, input_ids, labels, key)
         else:
-            loss, grads = _accumulated(loss_of, adapters, input_ids, key, grad_accum)
+            loss, grads = _accumulated(loss_of, adapters, input_ids, labels, key, grad_accum)
         # optax mixes Python floats with int32 step counts (bias correction), which strict
         # dtype promotion rejects; the model itself stays strict-clean.
         with jax.numpy_dtype_promotion("standard"):
@@ -114,23 +128,33 @@ def _micro_batches(input_ids: Array, grad_accum: int) -> Array:
 
 
 def _accumulated(
-    loss_of: Any, adapters: Mistral, input_ids: Array, key: Any, grad_accum: int
+    loss_of: Any,
+    adapters: Mistral,
+    input_ids: Array,
+    labels: Array | None,
+    key: Any,
+    grad_accum: int,
 ) -> tuple[Array, Mistral]:
-    """The mean loss and gradient of `grad_accum` equal micro-batches of `input_ids`, summed
-    in float32 over a `lax.scan` (so only one micro-batch's activations are ever live)."""
+    """The loss and gradient of the whole batch from `grad_accum` equal micro-batches of
+    `input_ids` (and `labels`): each micro-batch's summed loss and its gradient, added in
+    float32 over a `lax.scan` (so only one micro-batch's activations are ever live), divided
+    by the whole batch's count of targets (HF's `num_items_in_batch`), not averaged over
+    micro-batches, whose counts differ where labels are masked."""
     batch = input_ids.shape[0]
     if batch % grad_accum:
         raise ValueError(
             f"`input_ids` has {batch} rows, which `grad_accum`={grad_accum} micro-batches "
             "cannot share equally: the batch must be a multiple of `grad_accum`."
         )
+    count = counted_targets(input_ids, labels).astype(jnp.float32)
     micro = _micro_batches(input_ids, grad_accum)
+    micro_labels = None if labels is None else _micro_batches(labels, grad_accum)
 
     def body(carry: Any, xs: Any) -> tuple[Any, None]:
         loss_sum, grad_sum = carry
-        index, ids = xs
+        index, ids, lab = xs
         micro_key = None if key is None else jax.random.fold_in(key, index)
-        loss, grads = jax.value_and_grad(loss_of)(adapters, ids, micro_key)
+        loss, grads = jax.value_and_grad(lambda a: loss_of(a, ids, lab, micro_key, "sum"))(adapters)
         grad_sum = jax.tree.map(lambda s, g: s + g.astype(jnp.float32), grad_sum, grads)
         return (loss_sum + loss, grad_sum), None
 
@@ -138,9 +162,10 @@ def _accumulated(
     # micro-batch gradients away.
     zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), adapters)
     init = (jnp.zeros((), jnp.float32), zeros)
-    (loss_sum, grad_sum), _ = lax.scan(body, init, (jnp.arange(grad_accum), micro))
-    grads = jax.tree.map(lambda g, a: (g / grad_accum).astype(a.dtype), grad_sum, adapters)
-    return loss_sum / grad_accum, grads
+    xs = (jnp.arange(grad_accum), micro, micro_labels)
+    (loss_sum, grad_sum), _ = lax.scan(body, init, xs)
+    grads = jax.tree.map(lambda g, a: (g / count).astype(a.dtype), grad_sum, adapters)
+    return loss_sum / count, grads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,7 +187,10 @@ class FinetuneSettings:
 
 
 def _run_info(
-    settings: FinetuneSettings, lora_config: lora.LoraConfig, rows: np.ndarray
+    settings: FinetuneSettings,
+    lora_config: lora.LoraConfig,
+    rows: np.ndarray,
+    labels: np.ndarray | None = None,
 ) -> dict[str, Any]:
     """What a resumed run must share with the saved one to continue it exactly, in the form it
     takes after a JSON round trip (tuples as lists), so a loaded copy compares equal."""
@@ -172,6 +200,9 @@ def _run_info(
     # The data itself, not just its shape: other rows would give other batches.
     rows = np.ascontiguousarray(rows)
     info["rows"] = {"shape": list(rows.shape), "sha256": hashlib.sha256(rows.data).hexdigest()}
+    if labels is not None:  # absent without labels: states saved before `labels` still resume
+        labels = np.ascontiguousarray(labels)
+        info["labels"] = {"sha256": hashlib.sha256(labels.data).hexdigest()}
     return json.loads(json.dumps(info, default=str))
 
 
@@ -185,6 +216,7 @@ def finetune(
     save_state: str | os.PathLike | None = None,
     save_every: int = 0,
     resume: str | os.PathLike | None = None,
+    labels: np.ndarray | None = None,
 ) -> tuple[Mistral, list[float], list[float]]:
     """Adds fresh LoRA adapters to `model` and trains them with AdamW on `rows`.
 
@@ -201,9 +233,16 @@ def finetune(
         in (adapters, optimizer state, step, dropout key), after the last step and every
         `save_every` steps; each save replaces the directory atomically.
     - `save_every`: steps between saves (0: only at the end).
-    - `resume`: a directory saved by an earlier run with the same settings and data: training
-        continues from its step up to `settings.steps`, reading the batches and dropout keys
-        the uninterrupted run would have, so the result is bitwise the same.
+    - `resume`: a directory saved by an earlier run with the same settings and data (labels
+        included): training continues from its step up to `settings.steps`, reading the
+        batches and dropout keys the uninterrupted run would have, so the result is bitwise
+        the same.
+    - `labels`: integer targets shaped like `rows`, with HF's meaning (see
+        [`next_token_loss`][eqx_lean.hf.next_token_loss]: unshifted, `-100` where the next
+        token is not trained on, such as a prompt or padding), drawn into each batch with its
+        rows; `None` trains on every next token. With gradient accumulation the loss is the
+        mean over the whole batch's counted targets (see
+        [`make_lora_step`][eqx_lean.hf.make_lora_step]).
 
     **Returns:**
 
@@ -216,7 +255,14 @@ def finetune(
     adapters, frozen = eqx.partition(model, lora.lora_filter(model))
     optimizer = adamw(settings.learning_rate, weight_decay=settings.weight_decay)
     opt_state = optimizer.init(adapters)
-    info = _run_info(settings, lora_config, rows)
+    if labels is not None:
+        labels = np.asarray(labels)
+        if labels.shape != rows.shape or not np.issubdtype(labels.dtype, np.integer):
+            raise ValueError(
+                f"`labels` must be integers of `rows`' shape {rows.shape}; got "
+                f"{labels.dtype}{list(labels.shape)}."
+            )
+    info = _run_info(settings, lora_config, rows, labels)
     state = FinetuneState(adapters, opt_state, 0, dropout_key, info)
     if resume is not None:
         state = load_state(resume, state)
@@ -231,7 +277,9 @@ def finetune(
             )
     adapters, opt_state, dropout_key = state.adapters, state.opt_state, state.key
     step = make_lora_step(optimizer, remat=settings.remat, grad_accum=settings.grad_accum)
-    data = batches(rows, settings.batch_size, seed=settings.seed, start=state.step)
+    # Labels ride with their rows: the same shuffles draw both.
+    both = rows if labels is None else np.stack([rows, labels], axis=1)
+    data = batches(both, settings.batch_size, seed=settings.seed, start=state.step)
     steps: Any = range(state.step, settings.steps)
     if progress:
         try:
@@ -247,9 +295,12 @@ def finetune(
     for i in steps:
         key_i = jax.random.fold_in(dropout_key, i) if lora_config.lora_dropout > 0 else None
         start = time.perf_counter()
-        adapters, opt_state, loss = step(
-            frozen, adapters, opt_state, jnp.asarray(next(data)), key_i
-        )
+        batch = next(data)
+        if labels is None:
+            ids, batch_labels = jnp.asarray(batch), None
+        else:
+            ids, batch_labels = jnp.asarray(batch[:, 0]), jnp.asarray(batch[:, 1])
+        adapters, opt_state, loss = step(frozen, adapters, opt_state, ids, key_i, batch_labels)
         losses.append(float(loss))  # waits for the step
         seconds.append(time.perf_counter() - start)
         if progress:
