@@ -17,9 +17,19 @@ Cases (each prints one table row per method; nothing runs, nothing is allocated)
 
 - `steptime`: a LoRA AdamW step of the narrow decoder in bfloat16 at 1 x 2,048 tokens, run on
     this CPU, the textbook loss and the fused one alternated (median of steps 2-6).
+- `step1b`: the same step for a Llama-3.2-1B-shaped decoder (hidden 2,048, intermediate 8,192,
+    16 layers, 32 heads, 8 KV heads, vocab 128,256, tied head), random weights built in the
+    process, bfloat16, rank 16 on all seven projections, `remat=True`, 1 x 2,048 tokens, on
+    this CPU. `--loss textbook` or `--loss fused` runs one loss in its own process (for its
+    whole-process peak RSS under `/usr/bin/time -v`), `--loss both` alternates them in one
+    process (for the time); `--steps N` steps of each (the first compiles); `--plan` prints
+    XLA's memory plan of each step instead (compile only). It prints the load average.
 
     JAX_PLATFORMS=cpu python benchmarks/fused_loss.py loss decoder
     JAX_PLATFORMS=cpu python benchmarks/fused_loss.py steptime
+    JAX_PLATFORMS=cpu /usr/bin/time -v python benchmarks/fused_loss.py step1b --loss textbook
+    JAX_PLATFORMS=cpu /usr/bin/time -v python benchmarks/fused_loss.py step1b --loss fused
+    JAX_PLATFORMS=cpu python benchmarks/fused_loss.py step1b --loss both --steps 6
     JAX_PLATFORMS=cpu JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 CUDA_VISIBLE_DEVICES=-1 \\
         python benchmarks/fused_loss.py plan8b
 """
@@ -212,21 +222,144 @@ def steptime_case() -> None:
     )
 
 
+LLAMA_1B = hf.MistralConfig(
+    vocab_size=128_256,
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    rope_theta=500_000.0,
+    sliding_window=None,
+    model_type="llama",
+    tie_word_embeddings=True,
+    dtype="bfloat16",
+)
+
+
+def step1b_case(loss: str = "both", steps: int = 6, plan: bool = False) -> None:
+    """A LoRA AdamW step of a Llama-3.2-1B-shaped decoder in bfloat16 at 1 x 2,048 tokens on
+    this CPU: `loss` is `"textbook"`, `"fused"` or `"both"` (alternated in one process), each
+    run `steps` times (the first compiles); the times of steps 2 on and their median. With
+    `plan`, XLA's memory plan of each step instead (compile only)."""
+    import os
+    import statistics
+
+    import optax
+
+    from eqx_lean.internal import status_kib, tree_bytes
+
+    print(f"load average before: {os.getloadavg()}", flush=True)
+    lora_config = lora.LoraConfig(r=16, lora_alpha=32, target_modules=ALL_SEVEN)
+    ids = jax.random.randint(jax.random.key(2), (1, 2048), 0, LLAMA_1B.vocab_size)
+    jax.block_until_ready(ids)
+    idle = status_kib("VmRSS")
+    start = time.perf_counter()
+
+    def build() -> Any:
+        base = hf.init(LLAMA_1B, key=jax.random.key(0))
+        return lora.add_lora(base, lora_config, key=jax.random.key(1))
+
+    # A plan needs only the shapes: nothing is built.
+    model = eqx.filter_eval_shape(build) if plan else jax.block_until_ready(build())
+    adapters, frozen = eqx.partition(model, lora.lora_filter(model))
+    print(
+        f"built in {time.perf_counter() - start:.1f} s: base {tree_bytes(frozen) / GiB:.2f} GiB, "
+        f"adapters {tree_bytes(adapters) / MiB:.1f} MiB; idle {idle / 2**20:.2f} GiB, "
+        f"peak RSS so far {status_kib('VmHWM') / 2**20:.2f} GiB",
+        flush=True,
+    )
+    optimizer = optax.adamw(1e-4)
+    fused_of = {"textbook": [False], "fused": [True], "both": [False, True]}[loss]
+
+    def make(fused: bool) -> Any:
+        # The frozen base is an argument, not a constant captured by the trace.
+        @jax.jit
+        def step(frozen: Any, adapters: Any, state: Any, ids: Any) -> Any:
+            def loss_of(adapters: Any) -> Any:
+                model = eqx.combine(adapters, frozen)
+                return hf.next_token_loss(model, ids, remat=True, fused=fused)
+
+            value, grads = jax.value_and_grad(loss_of)(adapters)
+            updates, state = optimizer.update(grads, state, adapters)
+            return optax.apply_updates(adapters, updates), state, value
+
+        return step
+
+    made = {fused: make(fused) for fused in fused_of}
+    if plan:
+        # XLA's plan of each step (compile only; nothing runs).
+        for fused in fused_of:
+            state = jax.eval_shape(optimizer.init, adapters)
+            analysis = made[fused].lower(frozen, adapters, state, ids).compile().memory_analysis()
+            print(
+                f"plan, fused={fused}: temporaries {analysis.temp_size_in_bytes / MiB:,.0f} MiB, "
+                f"arguments {analysis.argument_size_in_bytes / MiB:,.0f} MiB",
+                flush=True,
+            )
+        return
+    states = {fused: (adapters, optimizer.init(adapters)) for fused in fused_of}
+    times: dict[bool, list[float]] = {fused: [] for fused in fused_of}
+    # The build's own peak (the random draws) is not the step's: reset the high-water mark
+    # (Linux's `clear_refs`), so that "peak RSS since the build" is the steps' alone;
+    # `/usr/bin/time -v` still reports the whole process's.
+    build_peak = status_kib("VmHWM")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    print(
+        f"build peak {build_peak / 2**20:.2f} GiB; after the reset "
+        f"{status_kib('VmHWM') / 2**20:.2f} GiB (resident now)",
+        flush=True,
+    )
+    for i in range(steps):
+        for fused in fused_of:
+            start = time.perf_counter()
+            new = made[fused](frozen, *states[fused], ids)
+            jax.block_until_ready(new)
+            times[fused].append(time.perf_counter() - start)
+            states[fused] = new[:2]
+            print(
+                f"step {i + 1}, fused={fused}: {times[fused][-1]:.1f} s, loss "
+                f"{float(new[2]):.4f}, peak RSS since the build "
+                f"{status_kib('VmHWM') / 2**20:.2f} GiB, "
+                f"load average {os.getloadavg()}",
+                flush=True,
+            )
+    print("\nLoRA step, Llama-3.2-1B shape, bfloat16, 1 x 2,048 tokens, this CPU")
+    median = {f: statistics.median(t[1:]) for f, t in times.items() if len(t) > 1}
+    for fused, seconds in median.items():
+        print(f"fused={fused}: median of steps 2-{steps} {seconds:.1f} s")
+    if len(median) == 2:
+        print(f"fused / textbook: {median[True] / median[False]:.3f}x")
+    print(
+        f"peak RSS since the build {status_kib('VmHWM') / 2**20:.2f} GiB, the build's "
+        f"{build_peak / 2**20:.2f} GiB (idle {idle / 2**20:.2f} GiB); "
+        f"load average after: {os.getloadavg()}"
+    )
+
+
 CASES = {
     "loss": loss_case,
     "decoder": decoder_case,
     "plan8b": plan8b_case,
     "steptime": steptime_case,
+    "step1b": step1b_case,
 }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("cases", nargs="*", default=["loss", "decoder"])
+    parser.add_argument("--loss", choices=("textbook", "fused", "both"), default="both")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--plan", action="store_true", help="step1b: XLA's plans, nothing run")
     args = parser.parse_args()
     print(f"jax {jax.__version__}, backend {jax.default_backend()}")
     for name in args.cases:
-        CASES[name]()
+        if name == "step1b":
+            step1b_case(args.loss, args.steps, args.plan)
+        else:
+            CASES[name]()
 
 
 if __name__ == "__main__":
