@@ -14,7 +14,12 @@ from ._checkpoint import (
     to_hf_state_dict as to_hf_state_dict,
 )
 from ._config import MistralConfig as MistralConfig
-from ._data import HFTokenizer as HFTokenizer, load_rows as load_rows
+from ._data import (
+    HFTokenizer as HFTokenizer,
+    PackedRows as PackedRows,
+    load_rows as load_rows,
+    pack_documents as pack_documents,
+)
 from ._finetune import (
     FinetuneSettings as FinetuneSettings,
     finetune as finetune,

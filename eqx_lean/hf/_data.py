@@ -3,13 +3,15 @@
 Documents are tokenised with the checkpoint's `tokenizer.json` (through the `tokenizers`
 package) when there is one, else as bytes (token id = byte value). They are concatenated, each
 followed by the end-of-sequence token, and cut into rows of `seq_len` tokens (the remainder is
-dropped), on which the causal-LM loss counts every next token.
+dropped), on which the causal-LM loss counts every next token. `pack_documents` packs
+documents whole instead, with segment ids and positions restarting per document, for a model
+that attends within each document.
 """
 
 import json
 import os
-from collections.abc import Iterator
-from typing import Any, Protocol
+from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -125,6 +127,88 @@ def pack(
             f"{len(stream)}."
         )
     return np.asarray(stream[: rows * seq_len], np.int32).reshape(rows, seq_len)
+
+
+class PackedRows(NamedTuple):
+    """Documents packed into fixed-length rows: four int32 arrays `[rows, seq_len]`."""
+
+    input_ids: np.ndarray
+    """The tokens; `pad_token_id` after a row's last document."""
+    labels: np.ndarray
+    """HF's unshifted `labels`: the tokens, with `-100` at each document's first token (it is
+    not predicted from the document before) and on the padding."""
+    segment_ids: np.ndarray
+    """Each token's document, numbered from 1 along each row; 0 on the padding."""
+    positions: np.ndarray
+    """Each token's position in its document (0 at its first token; 0, 1, ... on the
+    padding)."""
+
+
+def pack_documents(
+    documents: Sequence[Sequence[int]], seq_len: int, *, pad_token_id: int = 0
+) -> PackedRows:
+    """Packs tokenised documents into rows of `seq_len` tokens, each document whole in one row
+    (in order: a document that does not fit the rest of a row starts the next), for a model
+    called with `segment_ids=` and `positions=` (attention within each document, positions
+    restarting at each): each document is then computed as if it were alone.
+
+    **Arguments:**
+
+    - `documents`: token ids, one sequence per document (add an end-of-sequence token
+        yourself where the model expects one). A document longer than `seq_len` is cut into
+        pieces of `seq_len`, each a document of its own.
+    - `seq_len`: the row length, at least 2.
+    - `pad_token_id`: the token that fills the end of a row.
+
+    **Returns:**
+
+    A [`PackedRows`][eqx_lean.hf.PackedRows] of `input_ids`, `labels`, `segment_ids` and
+    `positions`, each int32 `[rows, seq_len]`.
+
+    **Example:**
+
+    ```python
+    from eqx_lean.hf import pack_documents
+
+    rows = pack_documents([[5, 6, 7], [8, 9], [10, 11, 12, 13]], 6)
+    assert rows.input_ids.tolist() == [[5, 6, 7, 8, 9, 0], [10, 11, 12, 13, 0, 0]]
+    assert rows.segment_ids.tolist() == [[1, 1, 1, 2, 2, 0], [1, 1, 1, 1, 0, 0]]
+    assert rows.positions.tolist() == [[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 0, 1]]
+    assert rows.labels.tolist() == [[-100, 6, 7, -100, 9, -100], [-100, 11, 12, 13, -100, -100]]
+    ```
+    """
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 2:
+        raise ValueError(
+            f"`seq_len` must be an integer of at least 2 (a token and its successor); got "
+            f"{seq_len!r}."
+        )
+    pieces: list[list[int]] = []
+    for number, document in enumerate(documents):
+        tokens = [int(t) for t in document]
+        if not tokens:
+            raise ValueError(f"`documents[{number}]` is empty: a document needs a token.")
+        pieces.extend(tokens[i : i + seq_len] for i in range(0, len(tokens), seq_len))
+    rows: list[list[list[int]]] = []
+    for piece in pieces:
+        if not rows or sum(map(len, rows[-1])) + len(piece) > seq_len:
+            rows.append([])
+        rows[-1].append(piece)
+    shape = (len(rows), seq_len)
+    ids = np.full(shape, pad_token_id, np.int32)
+    labels = np.full(shape, -100, np.int32)
+    segments = np.zeros(shape, np.int32)
+    positions = np.zeros(shape, np.int32)
+    for r, row in enumerate(rows):
+        start = 0
+        for number, piece in enumerate(row, start=1):
+            end = start + len(piece)
+            ids[r, start:end] = piece
+            labels[r, start + 1 : end] = piece[1:]
+            segments[r, start:end] = number
+            positions[r, start:end] = np.arange(len(piece))
+            start = end
+        positions[r, start:] = np.arange(seq_len - start)
+    return PackedRows(ids, labels, segments, positions)
 
 
 def check_ids(rows: np.ndarray, vocab_size: int) -> None:

@@ -105,6 +105,25 @@ KV = tuple[Float[Array, "batch seq kv_heads head_dim"], Float[Array, "batch seq 
 ATTENTION_KINDS = ("blockwise", "eager")
 
 
+def _check_packed(input_ids: Any, segment_ids: Any, positions: Any) -> None:
+    """Packed rows give both `segment_ids` and `positions`, integers shaped as `input_ids`."""
+    if (segment_ids is None) != (positions is None):
+        raise ValueError(
+            "`segment_ids` and `positions` must be given together (packed rows: each token's "
+            "document and its position in it) or not at all."
+        )
+    for name, value in (("segment_ids", segment_ids), ("positions", positions)):
+        if value is None:
+            continue
+        if tuple(value.shape) != tuple(input_ids.shape) or not jnp.issubdtype(
+            value.dtype, jnp.integer
+        ):
+            raise ValueError(
+                f"`{name}` must be integers of `input_ids`' shape {tuple(input_ids.shape)}; got "
+                f"{value.dtype}{list(value.shape)}."
+            )
+
+
 def check_attention(attention: Any) -> str:
     """`attention` if it names a kind the decoder computes; a `ValueError` otherwise."""
     if attention not in ATTENTION_KINDS:
@@ -134,13 +153,15 @@ class Attention(eqx.Module):
         window: int | Int[Array, ""] | None = None,
         key: PRNGKeyArray | None = None,
         attention: str = "blockwise",
+        segment_ids: Int[Array, "batch seq"] | None = None,
     ) -> tuple[Float[Array, "batch seq hidden"], KV]:
         """Attends from `x` to itself and to `past` (keys and values already rotated).
 
         `window` is this layer's sliding window (`None`: full causal attention). `key`, when
         given, is split between the four projections (for LoRA dropout). `attention` is
         `"blockwise"` ([`eqx_lean.nn.attention`][], used where there is no `past`) or
-        `"eager"` (every score held, HF's eager numerics: the reference).
+        `"eager"` (every score held, HF's eager numerics: the reference). `segment_ids`
+        (packed rows, no `past`): a query sees only the keys of its own document.
 
         **Returns:**
 
@@ -158,7 +179,7 @@ class Attention(eqx.Module):
         if past is None and attention == "blockwise":
             # `positions` run from 0 without gaps here (a call over the whole sequence), so
             # the causal mask and the window are those of the sequence's indices.
-            out = blockwise_attention(q, k, v, causal=True, window=window)
+            out = blockwise_attention(q, k, v, causal=True, window=window, segment_ids=segment_ids)
             out = out.reshape(batch, seq, self.num_heads * self.head_dim)
             return _project(self.o_proj, out, o_key), (k, v)
 
@@ -176,8 +197,10 @@ class Attention(eqx.Module):
         # Query head h reads key/value head h // groups, as HF's `repeat_kv` arranges them.
         q = q.reshape(batch, seq, self.num_kv_heads, groups, self.head_dim)
         scores = jnp.einsum("btgrd,bsgd->bgrts", q, keys) * self.head_dim**-0.5
-        mask = attention_mask(positions, key_positions, window)
-        scores = jnp.where(mask[None, None, None], scores, jnp.finfo(scores.dtype).min)
+        mask = attention_mask(positions, key_positions, window)[None]
+        if segment_ids is not None:
+            mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
+        scores = jnp.where(mask[:, None, None], scores, jnp.finfo(scores.dtype).min)
         weights = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(x.dtype)
         out = jnp.einsum("bgrts,bsgd->btgrd", weights, values)
         out = out.reshape(batch, seq, self.num_heads * self.head_dim)
@@ -229,9 +252,10 @@ class DecoderBlock(eqx.Module):
         window: int | Int[Array, ""] | None = None,
         key: PRNGKeyArray | None = None,
         attention: str = "blockwise",
+        segment_ids: Int[Array, "batch seq"] | None = None,
     ) -> tuple[Float[Array, "batch seq hidden"], KV]:
         """One layer on `x`; `window` is its sliding window (`None`: full attention),
-        `attention` as for [`Attention`][]."""
+        `attention` and `segment_ids` as for [`Attention`][]."""
         x = checkpoint_name(x, LAYER_INPUT)
         attn_key, mlp_key = _split_key(key, 2)
         attended, kv = self.self_attn(
@@ -243,6 +267,7 @@ class DecoderBlock(eqx.Module):
             window=window,
             key=attn_key,
             attention=attention,
+            segment_ids=segment_ids,
         )
         x = x + attended
         return x + self.mlp(self.post_attention_layernorm(x), key=mlp_key), kv
@@ -385,14 +410,21 @@ class Mistral(eqx.Module):
         key: PRNGKeyArray | None = None,
         final_hidden: bool = False,
         attention: str = "blockwise",
+        segment_ids: Int[Array, "batch seq"] | None = None,
+        row_positions: Int[Array, "batch seq"] | None = None,
     ) -> tuple[Float[Array, "batch seq vocab"], KV | None]:
         if input_ids.ndim != 2:
             raise ValueError(f"`input_ids` must have shape [batch, seq]; got {input_ids.shape}.")
         x = embed(self.embed_tokens.weight, input_ids)
         config = self.config
+        # Packed rows rotate each token by its position in its document: one table per row.
+        rotated = positions if row_positions is None else row_positions.reshape(-1)
         rotary = rotary_cos_sin(
-            positions, config.resolved_head_dim, config.rope_theta, x.dtype, config.rope_scaling
+            rotated, config.resolved_head_dim, config.rope_theta, x.dtype, config.rope_scaling
         )
+        if row_positions is not None:
+            cos, sin = rotary
+            rotary = (cos.reshape(*row_positions.shape, -1), sin.reshape(*row_positions.shape, -1))
         keep_kv = past is not None
         # One key per layer, sliced by the scan like the cache.
         layer_keys = None if key is None else jax.random.split(key, config.num_hidden_layers)
@@ -421,6 +453,7 @@ class Mistral(eqx.Module):
                 window=window,
                 key=key_i,
                 attention=attention,
+                segment_ids=segment_ids,
             )
             return x, (kv if keep_kv else None)
 
@@ -441,6 +474,8 @@ class Mistral(eqx.Module):
         remat: bool | None = None,
         key: PRNGKeyArray | None = None,
         attention: str = "blockwise",
+        segment_ids: Int[Array, "batch seq"] | None = None,
+        positions: Int[Array, "batch seq"] | None = None,
     ) -> Float[Array, "batch seq vocab"]:
         """Logits for every position of `input_ids` (causal, from position 0).
 
@@ -453,15 +488,28 @@ class Mistral(eqx.Module):
         - `attention`: `"blockwise"` ([`eqx_lean.nn.attention`][]: no `[heads, seq, seq]`
             scores held) or `"eager"` (HF's eager attention, every score held: the float32
             reference).
+        - `segment_ids`, `positions`: packed rows (as
+            [`pack_documents`][eqx_lean.hf.pack_documents] makes them): each token's document
+            `[batch, seq]` (a token attends only within its document) and its position in that
+            document (the rotary embeddings'); `None` for one sequence per row from position
+            0. Each is given with the other.
 
         **Returns:**
 
         Logits of shape `[batch, seq, vocab]`, in the model's dtype.
         """
         attention = check_attention(attention)
-        positions = jnp.arange(input_ids.shape[1], dtype=jnp.int32)
+        _check_packed(input_ids, segment_ids, positions)
         logits, _ = self._logits(
-            input_ids, positions, None, None, remat=remat, key=key, attention=attention
+            input_ids,
+            jnp.arange(input_ids.shape[1], dtype=jnp.int32),
+            None,
+            None,
+            remat=remat,
+            key=key,
+            attention=attention,
+            segment_ids=segment_ids,
+            row_positions=positions,
         )
         return logits
 
@@ -472,6 +520,8 @@ class Mistral(eqx.Module):
         remat: Any = None,
         key: PRNGKeyArray | None = None,
         attention: str = "blockwise",
+        segment_ids: Int[Array, "batch seq"] | None = None,
+        positions: Int[Array, "batch seq"] | None = None,
     ) -> Float[Array, "batch seq hidden"]:
         """The final hidden states of every position (after the final norm, before the head):
         what a fused loss such as [`eqx_lean.nn.linear_cross_entropy`][] takes instead of the
@@ -487,16 +537,18 @@ class Mistral(eqx.Module):
         `hidden_states @ head.T`, the head being `lm_head.weight` or, when tied, the embedding.
         """
         attention = check_attention(attention)
-        positions = jnp.arange(input_ids.shape[1], dtype=jnp.int32)
+        _check_packed(input_ids, segment_ids, positions)
         x, _ = self._logits(
             input_ids,
-            positions,
+            jnp.arange(input_ids.shape[1], dtype=jnp.int32),
             None,
             None,
             remat=remat,
             key=key,
             final_hidden=True,
             attention=attention,
+            segment_ids=segment_ids,
+            row_positions=positions,
         )
         return x
 

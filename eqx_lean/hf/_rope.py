@@ -294,10 +294,16 @@ def _rotate_half(x: Float[Array, "... d"]) -> Float[Array, "... d"]:
 
 
 def apply_rotary(
-    x: Float[Array, "batch seq heads d"], cos: Float[Array, "seq d"], sin: Float[Array, "seq d"]
+    x: Float[Array, "batch seq heads d"],
+    cos: Float[Array, "*rows seq d"],
+    sin: Float[Array, "*rows seq d"],
 ) -> Float[Array, "batch seq heads d"]:
-    """Rotates `x` by the angles of `cos` and `sin` (from `rotary_cos_sin`)."""
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    """Rotates `x` by the angles of `cos` and `sin` (from `rotary_cos_sin`): `[seq, d]` tables
+    shared by every row, or `[batch, seq, d]`, one per row (packed rows' positions)."""
+    if cos.ndim == 3:
+        cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+    else:
+        cos, sin = cos[None, :, None, :], sin[None, :, None, :]
     return x * cos + _rotate_half(x) * sin
 
 
