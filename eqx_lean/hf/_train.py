@@ -1,6 +1,6 @@
 """Next-token loss and optax training steps for the HF decoder."""
 
-from typing import Any
+from typing import Any, Literal
 
 import equinox as eqx
 import jax
@@ -25,6 +25,7 @@ def next_token_loss(
     key: PRNGKeyArray | None = None,
     fused: bool = True,
     chunk_bytes: int | None = None,
+    reduction: Literal["mean", "sum"] = "mean",
     attention: str = "blockwise",
     segment_ids: Int[Array, "batch seq"] | None = None,
     positions: Int[Array, "batch seq"] | None = None,
@@ -49,7 +50,10 @@ def next_token_loss(
     - `key`: the model's training randomness (LoRA dropout); `None` for none.
     - `fused`: `False` computes the loss the textbook way (float32 logits, `log_softmax`): the
         reference the fused loss is tested against.
-    - `chunk_bytes`: as for `linear_cross_entropy` (`None`: its default).
+    - `chunk_bytes`: as for `linear_cross_entropy` (`None`: its default, by platform).
+    - `reduction`: `"mean"` (above) or `"sum"`, the sum over the counted targets (0 where none
+        is): what gradient accumulation adds up over micro-batches before dividing by the
+        whole batch's count (HF's `num_items_in_batch`).
     - `attention`: `"blockwise"` ([`eqx_lean.nn.attention`][], no `[heads, seq, seq]` scores
         held) or `"eager"` (every score held, HF's eager attention: the reference).
     - `segment_ids`, `positions`: packed rows, as for the model's call (with the `labels` of
@@ -76,6 +80,8 @@ def next_token_loss(
     assert jnp.allclose(loss, textbook, rtol=1e-5)
     ```
     """
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f'`reduction` must be "mean" or "sum"; got {reduction!r}.')
     attention = check_attention(attention)
     if labels is None:
         labels = input_ids
@@ -106,6 +112,7 @@ def next_token_loss(
             bias=bias,
             ignore_index=IGNORE_INDEX,
             chunk_bytes=chunk_bytes,
+            reduction=reduction,
         )
     logits = model(
         input_ids,
@@ -123,7 +130,18 @@ def next_token_loss(
     picked = jnp.sum(jnp.where(vocab == targets[..., None], log_probs, 0.0), axis=-1)
     counted = targets != IGNORE_INDEX
     total = -jnp.sum(jnp.where(counted, picked, 0.0))
+    if reduction == "sum":
+        return total
     return total / jnp.sum(counted, dtype=jnp.int32).astype(jnp.float32)
+
+
+def counted_targets(input_ids: Array, labels: Array | None) -> Array:
+    """The targets `next_token_loss` counts in a batch, an int32 scalar: HF's
+    `num_items_in_batch` (the labels after each row's first position that are not `-100`;
+    every position after the first where `labels` is `None`)."""
+    if labels is None:
+        return jnp.asarray(input_ids.shape[0] * (input_ids.shape[1] - 1), jnp.int32)
+    return jnp.sum(labels[:, 1:] != IGNORE_INDEX, dtype=jnp.int32)
 
 
 def _import_optax() -> Any:
@@ -145,13 +163,28 @@ def adamw(learning_rate: float = 1e-3, weight_decay: float = 0.01) -> Any:
 
 
 def make_train_step(optimizer: Any, *, remat: bool = True) -> Any:
-    """A jitted `(model, opt_state, input_ids) -> (model, opt_state, loss)`."""
+    """A jitted `(model, opt_state, input_ids, labels=None) -> (model, opt_state, loss)`:
+    every weight trained.
+
+    **Arguments:**
+
+    - `optimizer`: an optax optimizer of the whole model (such as [`adamw`][eqx_lean.hf.adamw]).
+    - `remat`: recompute each layer's activations in the backward pass instead of saving them.
+
+    **Returns:**
+
+    The jitted step. `labels` is as for [`next_token_loss`][eqx_lean.hf.next_token_loss]
+    (HF's meaning: unshifted, `-100` not trained on; `None`: every next token), sharded like
+    `input_ids`; the loss is the mean over the counted targets.
+    """
     optax = _import_optax()
 
     @eqx.filter_jit(donate="all-except-first")
-    def train_step(model: Mistral, opt_state: Any, input_ids: Array) -> Any:
+    def train_step(
+        model: Mistral, opt_state: Any, input_ids: Array, labels: Array | None = None
+    ) -> Any:
         loss, grads = eqx.filter_value_and_grad(
-            lambda m: next_token_loss(m, input_ids, remat=remat)
+            lambda m: next_token_loss(m, input_ids, labels=labels, remat=remat)
         )(model)
         # optax mixes Python floats with int32 step counts (bias correction), which strict
         # dtype promotion rejects; the model itself stays strict-clean.
