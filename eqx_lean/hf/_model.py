@@ -255,7 +255,7 @@ class DecoderBlock(eqx.Module):
         segment_ids: Int[Array, "batch seq"] | None = None,
     ) -> tuple[Float[Array, "batch seq hidden"], KV]:
         """One layer on `x`; `window` is its sliding window (`None`: full attention),
-        `attention` and `segment_ids` as for [`Attention`][]."""
+        `attention` and `segment_ids` as for its `self_attn` (`Attention`)."""
         x = checkpoint_name(x, LAYER_INPUT)
         attn_key, mlp_key = _split_key(key, 2)
         attended, kv = self.self_attn(

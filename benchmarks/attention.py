@@ -1,0 +1,218 @@
+"""Blockwise attention against eager attention: XLA's plans, compile only.
+
+Cases (each prints one table row per method; nothing runs, nothing is allocated):
+
+- `kernel`: `memory_analysis()` on XLA:CPU of `eqx_lean.nn.attention` and of eager attention
+    (every score held, float32 softmax), forward and gradient with respect to q, k and v, at
+    1 x 4,096 and 1 x 16,384 tokens, 4 query heads and 2 key/value heads of 64 (float32).
+- `decoder`: the adapter gradient of `eqx_lean.hf.next_token_loss` (fused loss) on the narrow
+    Llama-3-shaped decoder of `benchmarks/fused_loss.py` (hidden 256, 2 layers, vocab 128,256,
+    LoRA rank 16 on all seven projections, float32, `remat=True`) at 1 x 2,048 and
+    1 x 16,384 tokens, `attention="eager"` against `attention="blockwise"` (XLA:CPU).
+- `plan8b`: `eqx_lean.hf.plan_lora_step` of the Llama-3.1-8B-shaped NF4 LoRA step of
+    `benchmarks/fused_loss.py` (rank 16, all seven projections, `remat=True`) for one
+    compile-only H100 at 1 x 2,048, 2 x 2,048, 1 x 8,192 and 1 x 32,768 (the `plan` extra;
+    `JAX_PLATFORMS=cpu`). It plans whatever `eqx_lean` is imported: run it on an older
+    checkout (`PYTHONPATH=<checkout>`) for the figure before.
+
+- `steptime`: a LoRA AdamW step of the narrow decoder in bfloat16 at 1 x 2,048 tokens, run on
+    this CPU, `attention="eager"` and the default alternated (median of steps 2-6).
+
+    JAX_PLATFORMS=cpu python benchmarks/attention.py kernel decoder
+    JAX_PLATFORMS=cpu python benchmarks/attention.py steptime
+    JAX_PLATFORMS=cpu JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 CUDA_VISIBLE_DEVICES=-1 \\
+        python benchmarks/attention.py plan8b
+"""
+
+import argparse
+import time
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from fused_loss import ALL_SEVEN, LLAMA_8B, NARROW  # pyright: ignore[reportMissingImports]
+
+from eqx_lean import hf, lora
+
+
+MiB, GiB = 2**20, 2**30
+HEADER = "| attention | temporaries | arguments | outputs | compile |\n" + "| --- " * 5 + "|"
+
+
+def row(name: str, analysis: Any, seconds: float) -> None:
+    print(
+        f"| {name} | {analysis.temp_size_in_bytes / MiB:,.1f} MiB | "
+        f"{analysis.argument_size_in_bytes / MiB:,.1f} MiB | "
+        f"{analysis.output_size_in_bytes / MiB:,.1f} MiB | {seconds:.1f} s |",
+        flush=True,
+    )
+
+
+def compiled(f: Callable[..., Any], *shapes: Any) -> tuple[Any, float]:
+    start = time.perf_counter()
+    analysis = jax.jit(f).lower(*shapes).compile().memory_analysis()
+    return analysis, time.perf_counter() - start
+
+
+def eager(q: Any, k: Any, v: Any) -> Any:
+    """Causal attention with every score held (HF's eager path: K and V repeated per group)."""
+    groups = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * q.shape[-1] ** -0.5
+    seq = q.shape[1]
+    causal = jnp.arange(seq)[None, :] <= jnp.arange(seq)[:, None]
+    s = jnp.where(causal, s, jnp.finfo(s.dtype).min)
+    p = jax.nn.softmax(s.astype(jnp.float32), axis=-1).astype(q.dtype)
+    return jnp.einsum("bhqk,bkhd->bqhd", p, v)
+
+
+def kernel_case() -> None:
+    from eqx_lean.nn import attention
+
+    heads, kv_heads, head_dim = 4, 2, 64
+    print("\nattention alone, 4 heads, 2 KV heads of 64, float32, causal")
+    print(HEADER)
+    for seq in (4096, 16_384):
+        shapes = (
+            jax.ShapeDtypeStruct((1, seq, heads, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((1, seq, kv_heads, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((1, seq, kv_heads, head_dim), jnp.float32),
+        )
+        for name, f in (("eager", eager), ("eqx_lean.nn.attention", attention)):
+
+            def summed(q: Any, k: Any, v: Any, f: Any = f) -> Any:
+                return jnp.sum(f(q, k, v))
+
+            row(f"1 x {seq}: {name}, forward", *compiled(f, *shapes))
+            row(f"1 x {seq}: {name}, gradient", *compiled(jax.grad(summed, (0, 1, 2)), *shapes))
+
+
+def decoder_case() -> None:
+    lora_config = lora.LoraConfig(r=16, lora_alpha=32, target_modules=ALL_SEVEN)
+
+    def build() -> hf.Mistral:
+        base = hf.init(NARROW, key=jax.random.key(0))
+        return lora.add_lora(base, lora_config, key=jax.random.key(1))
+
+    model = eqx.filter_eval_shape(build)
+    adapters, frozen = eqx.partition(model, lora.lora_filter(model))
+    print("\nadapter gradient of next_token_loss (fused), narrow Llama-3 shape (4 heads), remat")
+    print(HEADER)
+    for seq in (2048, 16_384):
+        ids = jax.ShapeDtypeStruct((1, seq), jnp.int32)
+        for kind in ("eager", "blockwise"):
+
+            def loss_of(adapters: Any, frozen: Any, ids: Any, kind: str = kind) -> Any:
+                model = eqx.combine(adapters, frozen)
+                return hf.next_token_loss(model, ids, remat=True, attention=kind)
+
+            row(
+                f'1 x {seq}: attention="{kind}"',
+                *compiled(jax.grad(loss_of), adapters, frozen, ids),
+            )
+
+
+PLANS = [(1, 2048), (2, 2048), (1, 8192), (1, 32_768)]
+
+
+def plan8b_case() -> None:
+    lora_config = lora.LoraConfig(r=16, lora_alpha=32, target_modules=ALL_SEVEN)
+    print("\nplan_lora_step, Llama-3.1-8B shape, NF4 base, rank 16 x 7, remat=True, one H100")
+    print("| tokens | peak | temporaries | fits | plan |\n| --- | --- | --- | --- | --- |")
+    for batch, seq in PLANS:
+        start = time.perf_counter()
+        plan = hf.plan_lora_step(
+            LLAMA_8B,
+            "h100",
+            batch_size=batch,
+            seq_len=seq,
+            lora_config=lora_config,
+            remat=True,
+            quantize="nf4",
+        )
+        seconds = time.perf_counter() - start
+        print(
+            f"| {batch} x {seq} | {plan.peak / GiB:.2f} GiB | "
+            f"{plan.temp / GiB:.2f} GiB | {plan.fits} | {seconds:.0f} s |",
+            flush=True,
+        )
+
+
+def steptime_case() -> None:
+    import dataclasses
+    import statistics
+
+    import optax
+
+    config = dataclasses.replace(NARROW, dtype="bfloat16")
+    lora_config = lora.LoraConfig(r=16, lora_alpha=32, target_modules=ALL_SEVEN)
+    model = lora.add_lora(
+        hf.init(config, key=jax.random.key(0)), lora_config, key=jax.random.key(1)
+    )
+    adapters, frozen = eqx.partition(model, lora.lora_filter(model))
+    optimizer = optax.adamw(1e-4)
+    ids = jax.random.randint(jax.random.key(2), (1, 2048), 0, config.vocab_size)
+    kinds = ("eager", "blockwise")
+
+    def make(kind: str) -> Any:
+        @jax.jit
+        def step(adapters: Any, state: Any) -> Any:
+            def loss_of(adapters: Any) -> Any:
+                model = eqx.combine(adapters, frozen)
+                return hf.next_token_loss(model, ids, remat=True, attention=kind)
+
+            loss, grads = jax.value_and_grad(loss_of)(adapters)
+            updates, state = optimizer.update(grads, state, adapters)
+            return optax.apply_updates(adapters, updates), state, loss
+
+        return step
+
+    steps = {kind: make(kind) for kind in kinds}
+    states = {kind: (adapters, optimizer.init(adapters)) for kind in kinds}
+    times: dict[str, list[float]] = {kind: [] for kind in kinds}
+    losses: dict[str, float] = {}
+    for _ in range(6):
+        for kind in kinds:
+            start = time.perf_counter()
+            new = steps[kind](*states[kind])
+            jax.block_until_ready(new)
+            times[kind].append(time.perf_counter() - start)
+            states[kind] = new[:2]
+            losses[kind] = float(new[2])
+    median = {kind: statistics.median(times[kind][1:]) for kind in kinds}
+    print("\nLoRA step, narrow decoder, bfloat16, 1 x 2,048 tokens, this CPU (alternated)")
+    print(
+        f"eager: {median['eager']:.2f} s, blockwise: {median['blockwise']:.2f} s "
+        f"({median['blockwise'] / median['eager']:.2f}x); last losses {losses}; "
+        f"every step: {times}"
+    )
+
+
+CASES = {
+    "kernel": kernel_case,
+    "decoder": decoder_case,
+    "plan8b": plan8b_case,
+    "steptime": steptime_case,
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    parser.add_argument("cases", nargs="*", default=["kernel", "decoder"])
+    parser.add_argument(
+        "--plans",
+        default=",".join(f"{b}x{s}" for b, s in PLANS),
+        help="plan8b's batch x tokens, comma-separated (default: %(default)s)",
+    )
+    args = parser.parse_args()
+    plans = [tuple(int(n) for n in plan.split("x")) for plan in args.plans.split(",")]
+    PLANS[:] = [(batch, seq) for batch, seq in plans]
+    print(f"jax {jax.__version__}, backend {jax.default_backend()}")
+    for name in args.cases:
+        CASES[name]()
+
+
+if __name__ == "__main__":
+    main()
