@@ -63,9 +63,7 @@ def test_a_packed_row_equals_transformers_on_each_document_alone(tmp_path):
     @jax.jit
     def run(model, ids, labels, segments, positions):
         packed = {"segment_ids": segments, "positions": positions}
-        logits = {
-            kind: model(ids, attention=kind, **packed) for kind in ("blockwise", "eager")
-        }
+        logits = {kind: model(ids, attention=kind, **packed) for kind in ("blockwise", "eager")}
         loss = hf.next_token_loss(model, ids, labels=labels, **packed)
         return logits, loss
 
