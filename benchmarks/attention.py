@@ -15,11 +15,15 @@ Cases (each prints one table row per method; nothing runs, nothing is allocated)
     `JAX_PLATFORMS=cpu`). It plans whatever `eqx_lean` is imported: run it on an older
     checkout (`PYTHONPATH=<checkout>`) for the figure before.
 
+- `tpu`: `eqx_lean.nn.attention` compiled for one chip of a compile-only TPU v5e (`v5e:2x2`,
+    the `plan` extra's libtpu; `JAX_PLATFORMS=cpu`), causal, 32 query heads and 8 key/value
+    heads of 64, bfloat16, at 1 x 4,096 and 1 x 16,384: forward and gradient.
 - `steptime`: a LoRA AdamW step of the narrow decoder in bfloat16 at 1 x 2,048 tokens, run on
     this CPU, `attention="eager"` and the default alternated (median of steps 2-6).
 
     JAX_PLATFORMS=cpu python benchmarks/attention.py kernel decoder
     JAX_PLATFORMS=cpu python benchmarks/attention.py steptime
+    JAX_PLATFORMS=cpu python benchmarks/attention.py tpu
     JAX_PLATFORMS=cpu JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 CUDA_VISIBLE_DEVICES=-1 \\
         python benchmarks/attention.py plan8b
 """
@@ -190,7 +194,33 @@ def steptime_case() -> None:
     )
 
 
+def tpu_case() -> None:
+    from jax.experimental import topologies
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from eqx_lean.nn import attention
+
+    topology = topologies.get_topology_desc("v5e:2x2", platform="tpu")
+    placed = NamedSharding(Mesh(topology.devices[:1], ("data",)), PartitionSpec())
+    print("\neqx_lean.nn.attention on one TPU v5e chip, 32 heads over 8 of 64, bfloat16, causal")
+    print(HEADER)
+    for seq in (4096, 16_384):
+        shapes = [
+            jax.ShapeDtypeStruct((1, seq, heads, 64), jnp.bfloat16, sharding=placed)
+            for heads in (32, 8, 8)
+        ]
+
+        def summed(q: Any, k: Any, v: Any) -> Any:
+            return jnp.sum(attention(q, k, v).astype(jnp.float32))
+
+        for name, f in (("forward", attention), ("gradient", jax.grad(summed, (0, 1, 2)))):
+            start = time.perf_counter()
+            analysis = jax.jit(f).trace(*shapes).lower().compile().memory_analysis()
+            row(f"1 x {seq}: {name}", analysis, time.perf_counter() - start)
+
+
 CASES = {
+    "tpu": tpu_case,
     "kernel": kernel_case,
     "decoder": decoder_case,
     "plan8b": plan8b_case,
