@@ -30,34 +30,19 @@ Cases (each prints one table row per method; nothing runs, nothing is allocated)
 
 import argparse
 import time
-from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
+import fused_loss  # pyright: ignore[reportMissingImports]
 import jax
 import jax.numpy as jnp
-from fused_loss import ALL_SEVEN, LLAMA_8B, NARROW  # pyright: ignore[reportMissingImports]
+from fused_loss import ALL_SEVEN, NARROW, compiled, row  # pyright: ignore[reportMissingImports]
 
 from eqx_lean import hf, lora
 
 
 MiB, GiB = 2**20, 2**30
 HEADER = "| attention | temporaries | arguments | outputs | compile |\n" + "| --- " * 5 + "|"
-
-
-def row(name: str, analysis: Any, seconds: float) -> None:
-    print(
-        f"| {name} | {analysis.temp_size_in_bytes / MiB:,.1f} MiB | "
-        f"{analysis.argument_size_in_bytes / MiB:,.1f} MiB | "
-        f"{analysis.output_size_in_bytes / MiB:,.1f} MiB | {seconds:.1f} s |",
-        flush=True,
-    )
-
-
-def compiled(f: Callable[..., Any], *shapes: Any) -> tuple[Any, float]:
-    start = time.perf_counter()
-    analysis = jax.jit(f).lower(*shapes).compile().memory_analysis()
-    return analysis, time.perf_counter() - start
 
 
 def eager(q: Any, k: Any, v: Any) -> Any:
@@ -118,74 +103,18 @@ def decoder_case() -> None:
             )
 
 
-PLANS = [(1, 2048), (2, 2048), (1, 8192), (1, 32_768)]
+PLANS = [*fused_loss.PLANS_8B, (1, 32_768)]
 
 
 def plan8b_case() -> None:
-    lora_config = lora.LoraConfig(r=16, lora_alpha=32, target_modules=ALL_SEVEN)
-    print("\nplan_lora_step, Llama-3.1-8B shape, NF4 base, rank 16 x 7, remat=True, one H100")
-    print("| tokens | peak | temporaries | fits | plan |\n| --- | --- | --- | --- | --- |")
-    for batch, seq in PLANS:
-        start = time.perf_counter()
-        plan = hf.plan_lora_step(
-            LLAMA_8B,
-            "h100",
-            batch_size=batch,
-            seq_len=seq,
-            lora_config=lora_config,
-            remat=True,
-            quantize="nf4",
-        )
-        seconds = time.perf_counter() - start
-        print(
-            f"| {batch} x {seq} | {plan.peak / GiB:.2f} GiB | "
-            f"{plan.temp / GiB:.2f} GiB | {plan.fits} | {seconds:.0f} s |",
-            flush=True,
-        )
+    fused_loss.plan8b_case(tuple(PLANS))
 
 
 def steptime_case() -> None:
-    import dataclasses
-    import statistics
-
-    import optax
-
-    config = dataclasses.replace(NARROW, dtype="bfloat16")
-    lora_config = lora.LoraConfig(r=16, lora_alpha=32, target_modules=ALL_SEVEN)
-    model = lora.add_lora(
-        hf.init(config, key=jax.random.key(0)), lora_config, key=jax.random.key(1)
+    """Eager and blockwise attention, alternated in one process (median of steps 2-6)."""
+    median, times, losses = fused_loss.alternated_steps(
+        {"eager": dict(attention="eager"), "blockwise": dict(attention="blockwise")}
     )
-    adapters, frozen = eqx.partition(model, lora.lora_filter(model))
-    optimizer = optax.adamw(1e-4)
-    ids = jax.random.randint(jax.random.key(2), (1, 2048), 0, config.vocab_size)
-    kinds = ("eager", "blockwise")
-
-    def make(kind: str) -> Any:
-        @jax.jit
-        def step(adapters: Any, state: Any) -> Any:
-            def loss_of(adapters: Any) -> Any:
-                model = eqx.combine(adapters, frozen)
-                return hf.next_token_loss(model, ids, remat=True, attention=kind)
-
-            loss, grads = jax.value_and_grad(loss_of)(adapters)
-            updates, state = optimizer.update(grads, state, adapters)
-            return optax.apply_updates(adapters, updates), state, loss
-
-        return step
-
-    steps = {kind: make(kind) for kind in kinds}
-    states = {kind: (adapters, optimizer.init(adapters)) for kind in kinds}
-    times: dict[str, list[float]] = {kind: [] for kind in kinds}
-    losses: dict[str, float] = {}
-    for _ in range(6):
-        for kind in kinds:
-            start = time.perf_counter()
-            new = steps[kind](*states[kind])
-            jax.block_until_ready(new)
-            times[kind].append(time.perf_counter() - start)
-            states[kind] = new[:2]
-            losses[kind] = float(new[2])
-    median = {kind: statistics.median(times[kind][1:]) for kind in kinds}
     print("\nLoRA step, narrow decoder, bfloat16, 1 x 2,048 tokens, this CPU (alternated)")
     print(
         f"eager: {median['eager']:.2f} s, blockwise: {median['blockwise']:.2f} s "

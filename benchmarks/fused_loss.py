@@ -152,11 +152,15 @@ LLAMA_8B = hf.MistralConfig(
 )
 
 
-def plan8b_case() -> None:
+PLANS_8B = ((1, 2048), (2, 2048), (1, 8192))
+
+
+def plan8b_case(plans: tuple[tuple[int, int], ...] = PLANS_8B) -> None:
+    """XLA's plans of the Llama-3.1-8B-shaped NF4 LoRA step on one H100, `(batch, seq)` each."""
     lora_config = lora.LoraConfig(r=16, lora_alpha=32, target_modules=ALL_SEVEN)
     print("\nplan_lora_step, Llama-3.1-8B shape, NF4 base, rank 16 x 7, remat=True, one H100")
     print("| tokens | peak | temporaries | fits | plan |\n| --- | --- | --- | --- | --- |")
-    for batch, seq in ((1, 2048), (2, 2048), (1, 8192)):
+    for batch, seq in plans:
         start = time.perf_counter()
         plan = hf.plan_lora_step(
             LLAMA_8B,
@@ -175,9 +179,13 @@ def plan8b_case() -> None:
         )
 
 
-def steptime_case() -> None:
-    """A LoRA AdamW step of the narrow decoder in bfloat16 at 1 x 2,048 tokens on this CPU,
-    the textbook loss and the fused one alternated in one process (median of steps 2-6)."""
+def alternated_steps(
+    variants: dict[str, dict[str, Any]], steps: int = 6
+) -> tuple[dict[str, float], dict[str, list[float]], dict[str, float]]:
+    """A LoRA AdamW step of the narrow decoder in bfloat16 at 1 x 2,048 tokens on this CPU, one
+    jitted step per variant (`next_token_loss`'s keyword arguments, by name), the variants run
+    alternately `steps` times. Returns each variant's median step time after the first, every
+    step's time, and its last loss."""
     import statistics
 
     import optax
@@ -191,12 +199,12 @@ def steptime_case() -> None:
     optimizer = optax.adamw(1e-4)
     ids = jax.random.randint(jax.random.key(2), (1, 2048), 0, config.vocab_size)
 
-    def make(fused: bool) -> Any:
+    def make(loss_kwargs: dict[str, Any]) -> Any:
         @jax.jit
         def step(adapters: Any, state: Any) -> Any:
             def loss_of(adapters: Any) -> Any:
                 model = eqx.combine(adapters, frozen)
-                return hf.next_token_loss(model, ids, remat=True, fused=fused)
+                return hf.next_token_loss(model, ids, remat=True, **loss_kwargs)
 
             loss, grads = jax.value_and_grad(loss_of)(adapters)
             updates, state = optimizer.update(grads, state, adapters)
@@ -204,21 +212,29 @@ def steptime_case() -> None:
 
         return step
 
-    steps = {fused: make(fused) for fused in (False, True)}
-    states = {fused: (adapters, optimizer.init(adapters)) for fused in (False, True)}
-    times: dict[bool, list[float]] = {False: [], True: []}
-    for _ in range(6):
-        for fused in (False, True):
+    jitted = {name: make(kwargs) for name, kwargs in variants.items()}
+    states = {name: (adapters, optimizer.init(adapters)) for name in variants}
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    losses: dict[str, float] = {}
+    for _ in range(steps):
+        for name in variants:
             start = time.perf_counter()
-            new = steps[fused](*states[fused])
+            new = jitted[name](*states[name])
             jax.block_until_ready(new)
-            times[fused].append(time.perf_counter() - start)
-            states[fused] = new[:2]
-    median = {fused: statistics.median(times[fused][1:]) for fused in (False, True)}
+            times[name].append(time.perf_counter() - start)
+            states[name] = new[:2]
+            losses[name] = float(new[2])
+    median = {name: statistics.median(times[name][1:]) for name in variants}
+    return median, times, losses
+
+
+def steptime_case() -> None:
+    """The textbook loss and the fused one, alternated in one process (median of steps 2-6)."""
+    median, times, _ = alternated_steps({"textbook": dict(fused=False), "fused": dict(fused=True)})
     print("\nLoRA step, narrow decoder, bfloat16, 1 x 2,048 tokens, this CPU (alternated)")
     print(
-        f"textbook loss: {median[False]:.2f} s, fused: {median[True]:.2f} s "
-        f"({median[True] / median[False]:.2f}x); every step: {times}"
+        f"textbook loss: {median['textbook']:.2f} s, fused: {median['fused']:.2f} s "
+        f"({median['fused'] / median['textbook']:.2f}x); every step: {times}"
     )
 
 

@@ -498,20 +498,7 @@ class Mistral(eqx.Module):
 
         Logits of shape `[batch, seq, vocab]`, in the model's dtype.
         """
-        attention = check_attention(attention)
-        _check_packed(input_ids, segment_ids, positions)
-        logits, _ = self._logits(
-            input_ids,
-            jnp.arange(input_ids.shape[1], dtype=jnp.int32),
-            None,
-            None,
-            remat=remat,
-            key=key,
-            attention=attention,
-            segment_ids=segment_ids,
-            row_positions=positions,
-        )
-        return logits
+        return self._whole_sequence(input_ids, False, remat, key, attention, segment_ids, positions)
 
     def hidden_states(
         self,
@@ -536,21 +523,35 @@ class Mistral(eqx.Module):
         Hidden states of shape `[batch, seq, hidden]`, in the model's dtype; the logits are
         `hidden_states @ head.T`, the head being `lm_head.weight` or, when tied, the embedding.
         """
+        return self._whole_sequence(input_ids, True, remat, key, attention, segment_ids, positions)
+
+    def _whole_sequence(
+        self,
+        input_ids: Int[Array, "batch seq"],
+        final_hidden: bool,
+        remat: Any,
+        key: PRNGKeyArray | None,
+        attention: str,
+        segment_ids: Int[Array, "batch seq"] | None,
+        positions: Int[Array, "batch seq"] | None,
+    ) -> Float[Array, "batch seq out"]:
+        """The logits (or, with `final_hidden`, the final hidden states) of a whole sequence
+        from position 0, without a cache: what calling the model and `hidden_states` share."""
         attention = check_attention(attention)
         _check_packed(input_ids, segment_ids, positions)
-        x, _ = self._logits(
+        out, _ = self._logits(
             input_ids,
             jnp.arange(input_ids.shape[1], dtype=jnp.int32),
             None,
             None,
             remat=remat,
             key=key,
-            final_hidden=True,
+            final_hidden=final_hidden,
             attention=attention,
             segment_ids=segment_ids,
             row_positions=positions,
         )
-        return x
+        return out
 
     def step(
         self, input_ids: Int[Array, "batch seq"], cache: KVCache
