@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import safetensors.numpy
-from harness import bits, mesh_of, subprocess_env
+from harness import TINY_DECODER, bits, mesh_of, subprocess_env
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eqx_lean
@@ -940,17 +940,8 @@ def test_save_stacked_killed_at_spread_delays(tmp_path):
 def mistral_config(**overrides):
     from eqx_lean.hf import MistralConfig
 
-    tiny: dict[str, Any] = dict(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        sliding_window=None,
-        dtype="float32",
-    )
-    return MistralConfig(**(tiny | overrides))
+    fields: dict[str, Any] = {**TINY_DECODER, "dtype": "float32", **overrides}
+    return MistralConfig(**fields)
 
 
 def random_mistral(config, seed: int):
