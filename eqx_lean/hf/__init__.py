@@ -29,6 +29,7 @@ from ._finetune import (
 from ._generate import decode_step as decode_step, generate as generate, sample as sample
 from ._model import (
     LAYER_INPUT as LAYER_INPUT,
+    MLP_CHUNK_BYTES as MLP_CHUNK_BYTES,
     DecoderBlock as DecoderBlock,
     KVCache as KVCache,
     Mistral as Mistral,

@@ -30,7 +30,8 @@ import eqx_lean
 from .. import _arguments as arguments
 from .._core.sharding import explicit_type_sharding, like_last_axis, resharded_like
 from .._product import linear_product
-from ..nn import attention as blockwise_attention
+from ..nn import attention as blockwise_attention, positionwise
+from ..nn._positionwise import chunk_positions
 from ._config import MistralConfig
 from ._rope import (
     apply_rotary,
@@ -215,6 +216,20 @@ class MLP(eqx.Module):
     down_proj: eqx.nn.Linear
 
     def __call__(
+        self,
+        x: Float[Array, "... hidden"],
+        *,
+        key: PRNGKeyArray | None = None,
+        chunk: int | None = None,
+    ) -> Float[Array, "... hidden"]:
+        """The block on `x`; with `chunk`, `x` (`[batch, seq, hidden]`) is taken `chunk`
+        positions at a time ([`eqx_lean.nn.positionwise`][]), so that the `[tokens,
+        intermediate]` activations are those of one chunk (LoRA dropout then draws per chunk)."""
+        if chunk is not None and x.ndim == 3 and x.shape[1] > chunk:
+            return positionwise(self._whole, x, chunk=chunk, key=key)
+        return self._whole(x, key=key)
+
+    def _whole(
         self, x: Float[Array, "... hidden"], *, key: PRNGKeyArray | None = None
     ) -> Float[Array, "... hidden"]:
         gate_key, up_key, down_key = _split_key(key, 3)
@@ -253,9 +268,11 @@ class DecoderBlock(eqx.Module):
         key: PRNGKeyArray | None = None,
         attention: str = "blockwise",
         segment_ids: Int[Array, "batch seq"] | None = None,
+        mlp_chunk: int | None = None,
     ) -> tuple[Float[Array, "batch seq hidden"], KV]:
         """One layer on `x`; `window` is its sliding window (`None`: full attention),
-        `attention` and `segment_ids` as for its `self_attn` (`Attention`)."""
+        `attention` and `segment_ids` as for its `self_attn` (`Attention`), `mlp_chunk` the
+        positions per chunk of its MLP (`None`: the whole sequence at once)."""
         x = checkpoint_name(x, LAYER_INPUT)
         attn_key, mlp_key = _split_key(key, 2)
         attended, kv = self.self_attn(
@@ -270,7 +287,27 @@ class DecoderBlock(eqx.Module):
             segment_ids=segment_ids,
         )
         x = x + attended
-        return x + self.mlp(self.post_attention_layernorm(x), key=mlp_key), kv
+        return x + self.mlp(self.post_attention_layernorm(x), key=mlp_key, chunk=mlp_chunk), kv
+
+
+MLP_CHUNK_BYTES = 256 * 2**20
+"""The most bytes of one chunk's widest MLP activation (`[batch, chunk, intermediate]`) when a
+decoder call's `mlp_chunk_bytes` is `None`: 256 MiB, on every platform. Planned for one H100
+(`docs/benchmarks.md`, issue 44): at 131,072 tokens of an 8B Llama, 15 or 16 chunks (8,192
+positions) hold a layer's working set in the backward pass to 12 GiB, 26 GiB unchunked."""
+
+
+def _mlp_chunk(config: MistralConfig, x: Array, chunk_bytes: int | None) -> int | None:
+    """The positions per chunk of each layer's MLP on `x` (`[batch, seq, hidden]`), keeping
+    `[batch, chunk, intermediate]` within `chunk_bytes`; `None` where the whole sequence does."""
+    chunk_bytes = arguments.optional_integer(chunk_bytes, "`mlp_chunk_bytes`", minimum=1)
+    if chunk_bytes is None:
+        chunk_bytes = MLP_CHUNK_BYTES
+    batch, seq = x.shape[0], x.shape[1]
+    per_position = batch * config.intermediate_size * x.dtype.itemsize
+    if seq * per_position <= chunk_bytes:
+        return None
+    return chunk_positions(seq, per_position, chunk_bytes)
 
 
 _INT32_MAX = 2**31 - 1
@@ -412,11 +449,13 @@ class Mistral(eqx.Module):
         attention: str = "blockwise",
         segment_ids: Int[Array, "batch seq"] | None = None,
         row_positions: Int[Array, "batch seq"] | None = None,
+        mlp_chunk_bytes: int | None = None,
     ) -> tuple[Float[Array, "batch seq vocab"], KV | None]:
         if input_ids.ndim != 2:
             raise ValueError(f"`input_ids` must have shape [batch, seq]; got {input_ids.shape}.")
         x = embed(self.embed_tokens.weight, input_ids)
         config = self.config
+        mlp_chunk = _mlp_chunk(config, x, mlp_chunk_bytes)
         # Packed rows rotate each token by its position in its document: one table per row.
         rotated = positions if row_positions is None else row_positions.reshape(-1)
         rotary = rotary_cos_sin(
@@ -454,6 +493,7 @@ class Mistral(eqx.Module):
                 key=key_i,
                 attention=attention,
                 segment_ids=segment_ids,
+                mlp_chunk=mlp_chunk,
             )
             return x, (kv if keep_kv else None)
 
@@ -476,6 +516,7 @@ class Mistral(eqx.Module):
         attention: str = "blockwise",
         segment_ids: Int[Array, "batch seq"] | None = None,
         positions: Int[Array, "batch seq"] | None = None,
+        mlp_chunk_bytes: int | None = None,
     ) -> Float[Array, "batch seq vocab"]:
         """Logits for every position of `input_ids` (causal, from position 0).
 
@@ -493,12 +534,20 @@ class Mistral(eqx.Module):
             `[batch, seq]` (a token attends only within its document) and its position in that
             document (the rotary embeddings'); `None` for one sequence per row from position
             0. Each is given with the other.
+        - `mlp_chunk_bytes`: each layer's MLP runs over chunks of positions whose widest
+            activation (`[batch, chunk, intermediate]` in the model's dtype) stays within
+            this many bytes ([`eqx_lean.nn.positionwise`][]), so that a long sequence's MLP
+            holds one chunk's activations, in the forward and the backward pass. `None`:
+            256 MiB ([`eqx_lean.hf.MLP_CHUNK_BYTES`][]); a sequence within it is one
+            chunk, computed as without chunking.
 
         **Returns:**
 
         Logits of shape `[batch, seq, vocab]`, in the model's dtype.
         """
-        return self._whole_sequence(input_ids, False, remat, key, attention, segment_ids, positions)
+        return self._whole_sequence(
+            input_ids, False, remat, key, attention, segment_ids, positions, mlp_chunk_bytes
+        )
 
     def hidden_states(
         self,
@@ -509,6 +558,7 @@ class Mistral(eqx.Module):
         attention: str = "blockwise",
         segment_ids: Int[Array, "batch seq"] | None = None,
         positions: Int[Array, "batch seq"] | None = None,
+        mlp_chunk_bytes: int | None = None,
     ) -> Float[Array, "batch seq hidden"]:
         """The final hidden states of every position (after the final norm, before the head):
         what a fused loss such as [`eqx_lean.nn.linear_cross_entropy`][] takes instead of the
@@ -523,7 +573,9 @@ class Mistral(eqx.Module):
         Hidden states of shape `[batch, seq, hidden]`, in the model's dtype; the logits are
         `hidden_states @ head.T`, the head being `lm_head.weight` or, when tied, the embedding.
         """
-        return self._whole_sequence(input_ids, True, remat, key, attention, segment_ids, positions)
+        return self._whole_sequence(
+            input_ids, True, remat, key, attention, segment_ids, positions, mlp_chunk_bytes
+        )
 
     def _whole_sequence(
         self,
@@ -534,6 +586,7 @@ class Mistral(eqx.Module):
         attention: str,
         segment_ids: Int[Array, "batch seq"] | None,
         positions: Int[Array, "batch seq"] | None,
+        mlp_chunk_bytes: int | None,
     ) -> Float[Array, "batch seq out"]:
         """The logits (or, with `final_hidden`, the final hidden states) of a whole sequence
         from position 0, without a cache: what calling the model and `hidden_states` share."""
@@ -550,6 +603,7 @@ class Mistral(eqx.Module):
             attention=attention,
             segment_ids=segment_ids,
             row_positions=positions,
+            mlp_chunk_bytes=mlp_chunk_bytes,
         )
         return out
 

@@ -29,6 +29,7 @@ def next_token_loss(
     attention: str = "blockwise",
     segment_ids: Int[Array, "batch seq"] | None = None,
     positions: Int[Array, "batch seq"] | None = None,
+    mlp_chunk_bytes: int | None = None,
 ) -> Float[Array, ""]:
     """Mean cross-entropy of predicting token `t+1` from tokens `<= t`, with HF's `labels`.
 
@@ -59,6 +60,8 @@ def next_token_loss(
     - `segment_ids`, `positions`: packed rows, as for the model's call (with the `labels` of
         [`pack_documents`][eqx_lean.hf.pack_documents], which mask each document's first
         token); `None` for one sequence per row.
+    - `mlp_chunk_bytes`: as for the model's call: the MLP's activations are those of chunks of
+        positions within this many bytes (`None`: [`MLP_CHUNK_BYTES`][eqx_lean.hf.MLP_CHUNK_BYTES]).
 
     **Returns:**
 
@@ -102,6 +105,7 @@ def next_token_loss(
             attention=attention,
             segment_ids=segment_ids,
             positions=positions,
+            mlp_chunk_bytes=mlp_chunk_bytes,
         )
         weight = model.embed_tokens.weight if head is None else head.weight
         bias = None if head is None else head.bias
@@ -121,6 +125,7 @@ def next_token_loss(
         attention=attention,
         segment_ids=segment_ids,
         positions=positions,
+        mlp_chunk_bytes=mlp_chunk_bytes,
     ).astype(jnp.float32)
     log_probs = jax.nn.log_softmax(logits, axis=-1)
     # The target's log-probability as a masked sum over the vocabulary (one nonzero term: the

@@ -181,8 +181,11 @@ from ..hf._data import (
 )
 from ..hf._finetune import _abstract_lora_model as abstract_lora_model
 from ..hf._generate import _decode_step as jitted_decode_step  # the public one's compiled core
-from ..hf._model import Decoder as Decoder, RMSNorm as RMSNorm
+from ..hf._model import Decoder as Decoder, RMSNorm as RMSNorm, _mlp_chunk as mlp_chunk
 from ..hf._rope import Llama3Rope as Llama3Rope, inverse_frequencies as inverse_frequencies
+
+# --- Lean activations (`eqx_lean.nn`'s private modules) -------------------------------------
+from ..nn._positionwise import chunk_positions as chunk_positions
 
 # --- LoRA and PEFT (`eqx_lean.lora`'s private modules) ---------------------------------------
 from ..lora._lora import (
