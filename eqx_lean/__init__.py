@@ -25,7 +25,7 @@ from ._io import (
     save_tensors as save_tensors,
 )
 from ._scan import fold as fold, scan as scan
-from ._scan.remat import NestedRemat as NestedRemat
+from ._scan.remat import LAYER_CARRY as LAYER_CARRY, NestedRemat as NestedRemat
 
 
 __version__ = "0.2.0"

@@ -237,6 +237,10 @@ def test_argparse_errors_stay_argparse_errors(commands):
         (["--max-batch", "64"], "--max-batch applies with --fit only."),
         (["--fit", "--max-batch", "4"], "--max-batch must be at least the number of devices (8)"),
         (["--quantize", "NF4"], "`quantize` must be None, 'nf4', 'int8'"),
+        (["--max-seq", "--fit"], "--max-seq and --fit search different sizes"),
+        (["--max-seq", "--seq-len", "64"], "--max-seq searches the sequence length"),
+        (["--seq-step", "512"], "--seq-step applies with --max-seq only."),
+        (["--max-seq", "--seq-step", "0"], "--seq-step must be an integer of at least 1; got 0."),
     ],
 )
 def test_every_usage_error_in_process(arguments, expected, tmp_path, monkeypatch, capsys):

@@ -239,7 +239,7 @@ def test_fit_search_on_an_affine_peak(fixed, per_row, memory, expected, compiles
 
     def plan_at(batch):
         peak = fixed + per_row * batch
-        return SimpleNamespace(peak=peak, fits=peak <= memory, device_memory=memory)
+        return SimpleNamespace(peak=peak, needed=peak, fits=peak <= memory, device_memory=memory)
 
     result = fit_one(plan_at, 8, 1024, None)  # pyright: ignore[reportArgumentType]
     assert (result.batch_size, result.compiles) == (expected, compiles), result.tried
@@ -259,9 +259,8 @@ def test_fit_search_on_a_convex_peak():
         return 300_000 + 2000 * batch + batch**2 // 4
 
     def plan_at(batch):
-        return SimpleNamespace(
-            peak=peak_of(batch), fits=peak_of(batch) <= memory, device_memory=memory
-        )
+        peak = peak_of(batch)
+        return SimpleNamespace(peak=peak, needed=peak, fits=peak <= memory, device_memory=memory)
 
     result = fit_one(plan_at, 4, 4096, True)  # pyright: ignore[reportArgumentType]
     brute = max(b for b in range(4, 4097, 4) if peak_of(b) <= memory)

@@ -10,6 +10,7 @@ from .live import (
 from .load_plans import LoadPlan as LoadPlan, plan_load as plan_load
 from .measurements import Measurement as Measurement, measure as measure
 from .plans import Plan as Plan, plan as plan
+from .search import Longest as Longest, longest as longest
 from .targets import Target as Target, target as target
 from .training import (
     Fit as Fit,

@@ -31,14 +31,22 @@ examples:
   python -m eqx_lean.memory run my_plan.py --my-flag      # any script, planning environment set
   python -m eqx_lean.memory lora 8xh100 --config config.json --batch 4 --seq-len 1024
   python -m eqx_lean.memory lora h100 --config config.json --quantize nf4 --fit
+  python -m eqx_lean.memory lora h100 --config config.json --quantize nf4 --max-seq --remat offload
   python -m eqx_lean.memory lora v5e-16 --config config.json --mesh data=2,fsdp=8
   python -m eqx_lean.memory full 2x8xh100 --config config.json --seq-len 2048 --fit
 
-exit status: 0 the plan fits (with --fit: some batch fits), 1 it does not, 2 a usage error.
+exit status: 0 the plan fits (with --fit or --max-seq: some size fits), 1 it does not, 2 a
+usage error.
 """
 # The largest batch `--fit` considers by default: far beyond what a decoder of any size fits
 # at a useful sequence length, and the search's compiles grow only with its logarithm.
 DEFAULT_MAX_BATCH = 4096
+DEFAULT_SEQ = 256
+_REMAT = {"none": None, "true": True, "offload": "offload"}
+# `--max-seq`'s step and its longest length: the 8B searches of docs/benchmarks.md close their
+# bracket to 2,048 tokens within 8 compiles; 2M tokens is beyond any GPU or TPU chip today.
+DEFAULT_SEQ_STEP = 2048
+MAX_SEQ = 2**21
 
 
 def planning_environment(base: dict[str, str] | None = None) -> dict[str, str]:
@@ -85,14 +93,34 @@ def _parser() -> argparse.ArgumentParser:
         "with a few compiles)",
     )
     step.add_argument(
+        "--max-seq",
+        action="store_true",
+        help="find the longest sequence that fits at --batch instead of planning --seq-len "
+        "(a multiple of --seq-step, at most 8 compiles)",
+    )
+    step.add_argument(
+        "--seq-step",
+        type=int,
+        default=None,
+        help=f"with --max-seq: lengths are multiples of it (default {DEFAULT_SEQ_STEP})",
+    )
+    step.add_argument(
         "--max-batch",
         type=int,
         default=None,
         help=f"with --fit: the largest batch to consider (default {DEFAULT_MAX_BATCH}, or the "
         "number of devices if larger)",
     )
-    step.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
-    step.add_argument("--remat", default="true", choices=("none", "true"), help="default: true")
+    step.add_argument(
+        "--seq-len", type=int, default=None, help=f"tokens per sequence (default {DEFAULT_SEQ})"
+    )
+    step.add_argument(
+        "--remat",
+        default="true",
+        choices=("none", "true", "offload"),
+        help="none: keep every activation; true: recompute each layer's; offload: as true, each "
+        "layer's input kept in host memory (default: true)",
+    )
     step.add_argument(
         "--mesh",
         default=None,
@@ -183,6 +211,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # argparse's style for a usage error: one line, exit status 2, no traceback.
         print(f"{PROG} {args.command}: error: {' '.join(str(error).split())}", file=sys.stderr)
         return 2
+    if args.max_seq:
+        return _max_seq(request)
     return _fit(request) if args.fit else _plan(request, request.batch)
 
 
@@ -201,6 +231,8 @@ class _Request:
     max_batch: int
     mesh_axes: list[tuple[str, int]] | None
     quantize: Any
+    seq_len: int  # with --max-seq, the first length planned
+    seq_step: int
 
 
 def _mesh_axes(text: str | None) -> list[tuple[str, int]] | None:
@@ -229,7 +261,19 @@ def _request(args: argparse.Namespace) -> _Request:
     from .targets import target
 
     try:
-        for option, value in (("--seq-len", args.seq_len), ("--rank", getattr(args, "rank", 1))):
+        if args.max_seq and args.fit:
+            raise _UsageError("--max-seq and --fit search different sizes: give one of them.")
+        if args.max_seq and args.seq_len is not None:
+            raise _UsageError("--max-seq searches the sequence length: leave out --seq-len.")
+        if args.seq_step is not None and not args.max_seq:
+            raise _UsageError("--seq-step applies with --max-seq only.")
+        seq_step = DEFAULT_SEQ_STEP if args.seq_step is None else args.seq_step
+        seq_len = DEFAULT_SEQ if args.seq_len is None else args.seq_len
+        for option, value in (
+            ("--seq-len", seq_len),
+            ("--seq-step", seq_step),
+            ("--rank", getattr(args, "rank", 1)),
+        ):
             arguments.integer(value, option, minimum=1)
         if args.batch is not None:
             arguments.integer(args.batch, "--batch", minimum=1)
@@ -248,16 +292,16 @@ def _request(args: argparse.Namespace) -> _Request:
                 f"--max-batch must be at least the number of devices ({devices}): batches are "
                 f"multiples of it; got {max_batch}."
             )
-        check_step_arguments(where, batch, args.seq_len, mesh_axes)
+        check_step_arguments(where, batch, seq_len, mesh_axes)
         config = hf.MistralConfig.from_json(args.config)
     except (ValueError, TypeError) as error:
         raise _UsageError(str(error)) from None
     except OSError as error:  # argparse's own words for a file it cannot open
         raise _UsageError(f"can't open '{args.config}': {error}") from None
-    return _Request(args, config, where, batch, max_batch, mesh_axes, quantize)
+    return _Request(args, config, where, batch, max_batch, mesh_axes, quantize, seq_len, seq_step)
 
 
-def _describe(request: _Request, batch: str) -> str:
+def _describe(request: _Request, batch: str, seq: str | None = None) -> str:
     args = request.args
     if args.command == "full":
         what = f"Full-parameter step (AdamW on every weight, remat {args.remat})"
@@ -265,23 +309,25 @@ def _describe(request: _Request, batch: str) -> str:
         base = "" if request.quantize is None else f", {request.quantize.scheme} base"
         what = f"LoRA step (rank {args.rank}, all seven projections{base}, remat {args.remat})"
     dtype = "" if args.dtype == "bfloat16" else f", {args.dtype} weights"
-    return f"{what} of {args.config}{dtype}, batch {batch} x {args.seq_len} tokens"
+    seq = f"{request.seq_len}" if seq is None else seq
+    return f"{what} of {args.config}{dtype}, batch {batch} x {seq} tokens"
 
 
-def _planned(request: _Request, batch: int) -> Any:
+def _planned(request: _Request, batch: int, seq_len: int | None = None) -> Any:
     import jax.numpy as jnp
 
     from eqx_lean import hf
 
     args = request.args
-    remat = args.remat == "true"
+    remat = _REMAT[args.remat]
+    seq_len = request.seq_len if seq_len is None else seq_len
     dtype = jnp.dtype(args.dtype)
     if args.command == "full":
         return hf.plan_train_step(
             request.config,
             request.target,
             batch_size=batch,
-            seq_len=args.seq_len,
+            seq_len=seq_len,
             remat=remat,
             mesh_axes=request.mesh_axes,
             dtype=dtype,
@@ -290,7 +336,7 @@ def _planned(request: _Request, batch: int) -> Any:
         request.config,
         request.target,
         batch_size=batch,
-        seq_len=args.seq_len,
+        seq_len=seq_len,
         lora_config=hf.lora_config_of_rank(args.rank),
         remat=remat,
         mesh_axes=request.mesh_axes,
@@ -329,3 +375,42 @@ def _fit(request: _Request) -> int:
         print(f"not even {multiple}, one sequence per device:")
         print(found.plan)
     return 0 if found.batch_size else 1
+
+
+def _max_seq(request: _Request) -> int:
+    import jax.numpy as jnp
+
+    from eqx_lean import hf
+
+    from .search import longest
+
+    args, step = request.args, request.seq_step
+    maximum, first = max(MAX_SEQ, step), 16 * step if 16 * step <= MAX_SEQ else step
+    if args.command == "lora":
+        found = hf.longest_context(
+            request.config,
+            request.target,
+            batch_size=request.batch,
+            multiple=step,
+            max_seq_len=maximum,
+            first=first,
+            lora_config=hf.lora_config_of_rank(args.rank),
+            remat=_REMAT[args.remat],
+            mesh_axes=request.mesh_axes,
+            dtype=jnp.dtype(args.dtype),
+            quantize=request.quantize,
+        )
+    else:
+        found = longest(
+            lambda seq_len: _planned(request, request.batch, seq_len),
+            maximum=maximum,
+            multiple=step,
+            first=first,
+        )
+    print(_describe(request, str(request.batch), "<longest>"))
+    if found.size:
+        print(f"longest sequence that fits: {found.size:,} tokens (multiples of {step:,})")
+    else:
+        print(f"not even {step:,} tokens per sequence fits:")
+    print(found)
+    return 0 if found.size else 1

@@ -39,10 +39,17 @@ class Plan:
         the outputs, the outputs that reuse a donated argument's buffer, and the temporaries.
     - `peak`: `argument + output - alias + temp`: what the program needs at once on one device.
     - `xla_peak`: XLA's own `peak_memory_in_bytes`, where the platform gives a meaningful one
-        (GPU and TPU; `None` on CPU, where it counts only the arguments).
+        (GPU and TPU; `None` on CPU, where it counts only the arguments). It counts the
+        buffers offloaded to host memory too (compiled for one H100, a step whose carries
+        are offloaded reads its arguments plus its `host` bytes: `docs/benchmarks.md`, issue
+        44).
+    - `host`: the bytes the program keeps in the device's host memory (pinned host: what
+        `remat="offload"` moves there), its host arguments, outputs and temporaries; 0 for a
+        program without memory kinds.
     - `device_memory`: the bytes one process can use on one device of the target.
-    - `fits`: `peak <= device_memory`. On TPU, `False` also when XLA refused to compile the
-        program for the device's memory.
+    - `fits`: whether [`needed`][eqx_lean.memory.Plan.needed] is within `device_memory`.
+        On TPU, `False` also when XLA refused to compile the program for the device's
+        memory.
     - `refused`: XLA's refusal (TPU only) when it would not compile the program for lack of
         memory; its figures are then the arguments and outputs as traced, and `temp` is what
         the refusal reports beyond them (rounded as XLA prints it). `None` otherwise.
@@ -62,6 +69,14 @@ class Plan:
     fits: bool
     refused: str | None
     compile_seconds: float
+    host: int = 0
+
+    @property
+    def needed(self) -> int:
+        """The device bytes `fits` is judged on: the larger of `peak` and XLA's own peak less
+        the host bytes (which XLA's peak counts). On a TPU, `temp` can read far below XLA's
+        peak; on a GPU the two agree without offloading."""
+        return needed_bytes(self.peak, self.xla_peak, self.host)
 
     def table(self) -> str:
         """The plan as an aligned text table."""
@@ -71,12 +86,16 @@ class Plan:
             ("donated outputs (alias)", -self.alias),
             ("temporaries", self.temp),
             ("peak", self.peak),
-            ("device memory", self.device_memory),
         ]
+        if self.xla_peak is not None and self.needed != self.peak:
+            rows.append(("XLA's peak, less host bytes", self.needed))
+        rows.append(("device memory", self.device_memory))
+        if self.host:
+            rows.append(("host memory (offloaded)", self.host))
         verdict = "fits" if self.fits else "does NOT fit"
         head = (
             f"plan for {self.target} ({self.num_devices} x {self.platform}), per device: "
-            f"{verdict} ({format_bytes(self.peak)} of {format_bytes(self.device_memory)})"
+            f"{verdict} ({format_bytes(self.needed)} of {format_bytes(self.device_memory)})"
         )
         if self.refused:
             head += f"\nXLA refused to compile it: {self.refused}"
@@ -84,6 +103,13 @@ class Plan:
 
     def __str__(self) -> str:
         return self.table()
+
+
+def needed_bytes(peak: int, xla_peak: int | None, host: int) -> int:
+    """`Plan.needed`: `peak`, or XLA's peak less the host bytes where that is larger."""
+    if xla_peak is None:
+        return peak
+    return max(peak, xla_peak - host)
 
 
 def _is_traced(x: Any) -> bool:
@@ -280,6 +306,9 @@ def plan(
     temp = stats.temp_size_in_bytes
     peak = argument + output - alias + temp
     xla_peak = None if where.platform == "cpu" else getattr(stats, "peak_memory_in_bytes", None)
+    host = sum(
+        getattr(stats, f"host_{name}_size_in_bytes", 0) for name in ("argument", "output", "temp")
+    ) - getattr(stats, "host_alias_size_in_bytes", 0)
     return Plan(
         target=where.spec,
         platform=where.platform,
@@ -291,9 +320,10 @@ def plan(
         peak=peak,
         xla_peak=xla_peak,
         device_memory=where.device_memory,
-        fits=peak <= where.device_memory,
+        fits=needed_bytes(peak, xla_peak, host) <= where.device_memory,
         refused=None,
         compile_seconds=seconds,
+        host=host,
     )
 
 

@@ -1,7 +1,6 @@
 """Plans of optax training steps on a target, and the largest batch that fits per remat mode."""
 
 import dataclasses
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -12,6 +11,7 @@ from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
 from .. import _arguments as arguments
 from .plans import Plan, _is_traced, _structs_on, plan
+from .search import search
 from .table import format_bytes, table
 from .targets import Target, resolve_target
 
@@ -218,7 +218,8 @@ class FitResult:
     - `plan`: the [`eqx_lean.memory.Plan`][] at `batch_size` (at the smallest batch tried if
         none fits).
     - `compiles`: the programs compiled to find it.
-    - `tried`: `(batch, peak, fits)` of each compile, in order.
+    - `tried`: `(batch, bytes needed, fits)` of each compile, in order (the bytes as
+        [`Plan.needed`][eqx_lean.memory.Plan.needed]).
     """
 
     remat: Any
@@ -294,71 +295,14 @@ class Fit:
         return self.table()
 
 
-def _boundary(points: Sequence[tuple[int, int]], memory: int) -> float:
-    """Where the line through two `(batch, peak)` points reaches `memory` (infinite if flat)."""
-    (a, p_a), (b, p_b) = points
-    slope = (p_b - p_a) / (b - a)
-    return math.inf if slope <= 0 else b + (memory - p_b) / slope
-
-
 def _fit_one(
     plan_at: Callable[[int], Plan], multiple: int, max_batch: int, remat: Any
 ) -> FitResult:
     """The largest multiple of `multiple` up to `max_batch` whose plan fits, and whose next
-    multiple does not (the peak need not be monotone in the batch, so this is the first such
-    boundary the search meets).
-
-    Two compiles (one and two multiples) fit the peak as a line in the batch. Each further
-    compile is at the boundary of the line through the last two (a secant), kept inside the
-    bracket of what is known to fit and not to: where the peak is affine, the first boundary
-    fits and its next multiple does not, 4 compiles in all. Where two compiles in a row did
-    not halve the bracket, one bisects it.
-    """
-    plans: dict[int, Plan] = {}
-    tried: list[tuple[int, int, bool]] = []
-
-    def at(batch: int) -> bool:
-        if batch not in plans:
-            result = plan_at(batch)
-            plans[batch] = result
-            tried.append((batch, result.peak, result.fits))
-        return plans[batch].fits
-
-    def done(batch: int) -> FitResult:
-        shown = plans[batch] if batch else plans[min(plans)]
-        return FitResult(remat, batch, shown, len(plans), tuple(tried))
-
-    def down(b: float) -> int:
-        return int(b // multiple) * multiple
-
-    top = down(max_batch)
-    if not at(multiple):
-        return done(0)
-    second = min(2 * multiple, top)
-    if second == multiple or not at(second):
-        return done(multiple)
-    memory = plans[multiple].device_memory
-    lo, hi = second, top + multiple  # lo fits; hi does not (or lies beyond max_batch)
-    widths = [hi - lo]
-    while hi - lo > multiple:
-        # A secant: the line through the last two compiles. Where two compiles in a row did
-        # not halve the bracket, the peak is far from affine there: bisect instead.
-        if len(widths) >= 3 and widths[-1] > widths[-3] / 2:
-            guess = lo + down((hi - lo) / 2)
-            # Counted twice, so that the next test sets the bisection's result against the
-            # width before it, not against the width two compiles back.
-            widths.append(widths[-1])
-        else:
-            (a, _, _), (b, _, _) = tried[-2:]
-            boundary = _boundary([(a, plans[a].peak), (b, plans[b].peak)], memory)
-            guess = top if math.isinf(boundary) else down(boundary)
-        candidate = max(lo + multiple, min(guess, hi - multiple, top))
-        if at(candidate):
-            lo = candidate
-        else:
-            hi = candidate
-        widths.append(hi - lo)
-    return done(lo)
+    multiple does not: the search of [`eqx_lean.memory.longest`][] from `multiple`, without a
+    compile budget."""
+    found = search(plan_at, multiple, max_batch, multiple, None)
+    return FitResult(remat, found.size, found.plan, found.compiles, found.tried)
 
 
 def fit(

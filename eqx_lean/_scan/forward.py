@@ -9,6 +9,7 @@ import jax
 import jax.extend.core
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.custom_derivatives import SymbolicZero
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
@@ -18,7 +19,7 @@ from .checks import check_xs, checked_stack
 from .fallback import nested_scan, scan_layers
 from .gather import Gather, gather_shardings, gathered_step, tie_gradient_shardings
 from .linear_call import has_custom_transpose
-from .remat import SAVE_ALL, Remat, check_remat, checkpointed, resolve_remat
+from .remat import LAYER_CARRY, SAVE_ALL, Remat, check_remat, checkpointed, resolve_remat
 
 
 Carry = TypeVar("Carry")
@@ -53,6 +54,8 @@ def _layer_step(
     """The function of one layer: `(layer arrays, carry, x_i) -> (carry, y_i)`, checked."""
 
     def step(dynamic: Any, carry: Any, x: Any) -> tuple[Any, Any]:
+        # Named for name-based remat policies (`remat="offload"` keeps it in host memory).
+        carry = jax.tree.map(lambda c: checkpoint_name(c, LAYER_CARRY), carry)
         out = call(eqx.combine(dynamic, static), carry, x)
         if not (isinstance(out, tuple) and len(out) == 2):
             raise TypeError(
@@ -337,12 +340,14 @@ def scan(
         as `jax.checkpoint` calls it) keeps the carries and what the policy saves of each
         layer; a name-based policy (`jax.checkpoint_policies.save_only_these_names`,
         `save_and_offload_only_these_names`, ...) selects the values the layer names with
-        `jax.ad_checkpoint.checkpoint_name`: to name the carry entering each layer, write
-        `carry = checkpoint_name(carry, "layer_input")` first thing in `call` (or in the
-        layer's `__call__`, as the HF decoder names its carry
-        [`eqx_lean.hf.LAYER_INPUT`][]). `"nested"` or an [`eqx_lean.NestedRemat`][] keeps the
-        carries entering about
-        `√L` groups of layers and recomputes one group at a time, holding about `2√L` carries
+        `jax.ad_checkpoint.checkpoint_name`, and the carry entering each layer, which is
+        named [`eqx_lean.LAYER_CARRY`][] (every leaf). `"offload"` keeps only that carry,
+        in the device's pinned host memory (`save_and_offload_only_these_names`), and
+        recomputes the rest as `True` does: the carries leave the device for the host (a
+        GPU's or TPU's plan reports them as host bytes, `Plan.host`); on a CPU, where host
+        and device memory are one, it compiles to the program of `True` (measured).
+        `"nested"` or an [`eqx_lean.NestedRemat`][] keeps the carries entering about `√L`
+        groups of layers and recomputes one group at a time, holding about `2√L` carries
         (see there for when that beats `True`). The values are the same whatever the choice.
     - `unroll`: how many layers each iteration of the underlying loop runs, as for
         `jax.lax.scan` (`True` unrolls all of them). With nested remat it applies to the inner

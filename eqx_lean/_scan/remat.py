@@ -67,7 +67,25 @@ class NestedRemat(eqx.Module):
             check_policy(self.policy, "`NestedRemat(policy=...)`")
 
 
-Remat: TypeAlias = bool | Policy | NestedRemat | Literal["nested"] | None
+Remat: TypeAlias = bool | Policy | NestedRemat | Literal["nested", "offload"] | None
+
+
+LAYER_CARRY = "eqx_lean.layer_carry"
+"""The name (`jax.ad_checkpoint.checkpoint_name`) `fold` and `scan` give the carry entering
+each layer, every leaf of it: what a name-based policy passed as `remat=` selects to keep it,
+such as `jax.checkpoint_policies.save_only_these_names(eqx_lean.LAYER_CARRY)`, and what
+`remat="offload"` keeps in host memory."""
+
+
+def offload_policy() -> Policy:
+    """`remat="offload"`: each layer's input carry ([`LAYER_CARRY`][eqx_lean.LAYER_CARRY])
+    kept in pinned host memory, everything else recomputed."""
+    return jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=(),
+        names_which_can_be_offloaded=(LAYER_CARRY,),
+        offload_src="device",
+        offload_dst="pinned_host",
+    )
 
 
 # How `jax.checkpoint` calls a policy, once per operation of the layer: the primitive, the
@@ -172,14 +190,14 @@ def check_policy(policy: Callable[..., Any], argument: str) -> None:
 def check_remat(remat: Any) -> None:
     if remat is None or isinstance(remat, bool | NestedRemat):
         return
-    if isinstance(remat, str) and remat == "nested":
+    if isinstance(remat, str) and remat in ("nested", "offload"):
         return
     if callable(remat):
         check_policy(remat, "`remat`")
         return
     raise ValueError(
-        "`remat` must be None, True, a `jax.checkpoint_policies` policy, 'nested' or an "
-        f"`eqx_lean.NestedRemat(...)`; got {remat!r}."
+        "`remat` must be None, True, a `jax.checkpoint_policies` policy, 'nested', 'offload' "
+        f"or an `eqx_lean.NestedRemat(...)`; got {remat!r}."
     )
 
 
@@ -210,6 +228,8 @@ def resolve_remat(remat: Remat, num_layers: int) -> tuple[LayerPolicy, int | Non
         return SAVE_ALL, None
     if remat is True:
         return jax.checkpoint_policies.nothing_saveable, None
+    if remat == "offload":
+        return offload_policy(), None
     return remat, None
 
 

@@ -38,6 +38,7 @@ from ._model import (
 )
 from ._plan import (
     fsdp_shardings as fsdp_shardings,
+    longest_context as longest_context,
     lora_config_of_rank as lora_config_of_rank,
     plan_lora_step as plan_lora_step,
     plan_train_step as plan_train_step,

@@ -48,10 +48,11 @@ def make_lora_step(
 
     - `optimizer`: an optax optimizer of the adapters (such as [`adamw`][eqx_lean.hf.adamw]).
     - `remat`: recompute each layer's activations in the backward pass instead of saving them:
-        what `remat=` of [`eqx_lean.fold`][] takes, `True` or a checkpoint policy, such as the
-        name-based `jax.checkpoint_policies.save_only_these_names(eqx_lean.hf.LAYER_INPUT)`
-        (keep each layer's input) or `save_and_offload_only_these_names(...)` (keep it in host
-        memory).
+        what `remat=` of [`eqx_lean.fold`][] takes: `True`, `"offload"` (each layer's input
+        kept in the accelerator's host memory, the rest recomputed: the longest contexts) or
+        a checkpoint policy, such as the name-based
+        `jax.checkpoint_policies.save_only_these_names(eqx_lean.hf.LAYER_INPUT)` (keep each
+        layer's input on the device).
     - `grad_accum`: gradient accumulation: `input_ids` of shape `[grad_accum * micro, seq]`
         are cut into `grad_accum` micro-batches of `micro` consecutive rows (and `labels`
         with them), run one after the other (a `lax.scan`, so activations are those of one

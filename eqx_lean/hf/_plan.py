@@ -11,7 +11,9 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from .. import _arguments as arguments, lora, memory
 from .._io.quantized import quant_config
+from .._memory.search import MAX_COMPILES
 from .._memory.targets import Target, mesh_axes as checked_mesh_axes, resolve_target
+from .._scan.remat import Remat, check_remat
 from ._checkpoint import abstract_model
 from ._config import MistralConfig
 from ._finetune import _abstract_lora_model, make_lora_step
@@ -135,7 +137,7 @@ def plan_lora_step(
     batch_size: int,
     seq_len: int,
     lora_config: lora.LoraConfig | None = None,
-    remat: bool = True,
+    remat: Remat = True,
     mesh_axes: Sequence[tuple[str, int]] | None = None,
     dtype: Any = jnp.bfloat16,
     quantize: Any = None,
@@ -161,7 +163,8 @@ def plan_lora_step(
     - `batch_size`, `seq_len`: the token ids' shape, positive integers; `batch_size` must be a
         multiple of the number of devices.
     - `lora_config`: the adapters; default rank 16 (alpha 32) on all seven projections.
-    - `remat`: as for [`eqx_lean.hf.make_lora_step`][].
+    - `remat`: as for [`eqx_lean.hf.make_lora_step`][]; with `"offload"` the plan's `host`
+        is the host memory the offloaded carries take, per device.
     - `mesh_axes`: `(name, size)` pairs over all the target's devices (sizes positive, their
         product the number of devices), with names among `"data"` and `"fsdp"`, each once;
         default: `fsdp` over every device.
@@ -233,3 +236,76 @@ def plan_train_step(
     loss = functools.partial(next_token_loss, remat=remat)
     optimizer = adamw(1e-4, weight_decay=0.0)
     return memory.plan_train_step(loss, model, optimizer, ids, target=where)
+
+
+def longest_context(
+    config: MistralConfig,
+    target: "memory.Target | str",
+    *,
+    batch_size: int = 1,
+    multiple: int = 2048,
+    max_seq_len: int = 2**21,
+    first: int | None = None,
+    max_compiles: int | None = MAX_COMPILES,
+    lora_config: lora.LoraConfig | None = None,
+    remat: Remat = True,
+    mesh_axes: Sequence[tuple[str, int]] | None = None,
+    dtype: Any = jnp.bfloat16,
+    quantize: Any = None,
+) -> "memory.Longest":
+    """The longest sequence whose LoRA step ([`eqx_lean.hf.plan_lora_step`][]) fits a target
+    at a given batch: "how long a context fits this GPU?", in at most 8 compiles.
+
+    ```python
+    config = eqx_lean.hf.MistralConfig.from_json("config.json")
+    found = eqx_lean.hf.longest_context(config, "h100", quantize="nf4", remat="offload")
+    print(found.size, found.plan.host)  # tokens per sequence; host bytes the offload takes
+    ```
+
+    The search is [`eqx_lean.memory.longest`][]'s over the sequence length, in multiples of
+    `multiple`: it fits the step's bytes as a line in the length from two compiles (`first`
+    and twice it), then compiles where the line through the last two meets the device's
+    memory, until a length fits and the next multiple does not. The step's bytes grow
+    linearly in the length once attention is blockwise, the loss fused and the MLP chunked
+    (the defaults), so that takes about 4 compiles.
+
+    **Arguments:**
+
+    - `config`, `target`, `lora_config`, `remat`, `mesh_axes`, `dtype`, `quantize`: as for
+        [`eqx_lean.hf.plan_lora_step`][].
+    - `batch_size`: sequences per step, a multiple of the number of devices.
+    - `multiple`: lengths are multiples of it: the answer is exact to it (2,048 tokens by
+        default: the 8B searches of `docs/benchmarks.md` close their bracket to it within 8
+        compiles, where a step of 1,024 took more).
+    - `max_seq_len`: the longest length considered.
+    - `first`: the first length planned, a multiple of `multiple`; default `16 * multiple`.
+    - `max_compiles`: as for [`eqx_lean.memory.longest`][] (default 8).
+
+    **Returns:**
+
+    A [`eqx_lean.memory.Longest`][]: `size` is the longest sequence that fits, `plan` its plan.
+    """
+    # Checked here, so that a bad argument is refused before any compile.
+    multiple = arguments.integer(multiple, "`multiple`", minimum=1)
+    max_seq_len = arguments.integer(max_seq_len, "`max_seq_len`", minimum=multiple)
+    if first is None:
+        first = min(16 * multiple, max_seq_len // multiple * multiple)
+    check_remat(remat)
+    check_step_arguments(target, batch_size, multiple, mesh_axes)
+
+    def plan_at(seq_len: int) -> "memory.Plan":
+        return plan_lora_step(
+            config,
+            target,
+            batch_size=batch_size,
+            seq_len=seq_len,
+            lora_config=lora_config,
+            remat=remat,
+            mesh_axes=mesh_axes,
+            dtype=dtype,
+            quantize=quantize,
+        )
+
+    return memory.longest(
+        plan_at, maximum=max_seq_len, multiple=multiple, first=first, max_compiles=max_compiles
+    )
