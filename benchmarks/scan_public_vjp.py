@@ -124,13 +124,11 @@ def _worker(spec: dict[str, Any]) -> Any:
             scale = max(
                 float(jnp.max(jnp.abs(e.astype(jnp.float32)))) for e in jax.tree.leaves(expected)
             )
-            differences[trainable] = (
-                max(
-                    float(jnp.max(jnp.abs(f.astype(jnp.float32) - e.astype(jnp.float32))))
-                    for f, e in zip(jax.tree.leaves(found), jax.tree.leaves(expected), strict=True)
-                )
-                / scale
+            difference = max(
+                float(jnp.max(jnp.abs(f.astype(jnp.float32) - e.astype(jnp.float32))))
+                for f, e in zip(jax.tree.leaves(found), jax.tree.leaves(expected), strict=True)
             )
+            differences[trainable] = f"{difference / scale:.1e} (largest gradient {scale:.2e})"
         return differences
     if part == "forward":
         weights = LoraLinear(
@@ -194,8 +192,7 @@ def _two_trainables(part: str, title: str) -> None:
     print("| --- | --- | --- |")
     for path in PATHS:
         found = _measure(dict(part=part, path=path))
-        cells = [found[t] if part == "parity" else _mib(found[t]) for t in TRAINABLES]
-        text = [f"{c:.1e}" if isinstance(c, float) else c for c in cells]
+        text = [found[t] if part == "parity" else _mib(found[t]) for t in TRAINABLES]
         print(f"| {path} | {text[0]} | {text[1]} |", flush=True)
 
 
