@@ -4,6 +4,7 @@ Run from the repository root:
 
     python benchmarks/scan_public_vjp.py                  # every part, markdown on stdout
     python benchmarks/scan_public_vjp.py --part memory    # or: parity, compile, forward, vmap
+    python benchmarks/scan_public_vjp.py --part memory --h100  # and compiled for an H100
 
 The model is `benchmarks/scan_grad_memory.py`'s (issue 15's): `L=16` layers of 2048 x 2048
 bfloat16 weights (a 128 MiB stack), rank-8 float32 adapters per layer, the layer
@@ -13,7 +14,9 @@ switch is read at import): "public" with `EQX_LEAN_NO_PRIVATE_JAX=1`, the `jax.c
 `eqx_lean._scan.public_vjp`; "private" without it, the custom-transpose primitive (JAX 0.10).
 
 - memory: `memory_analysis().temp_size_in_bytes` of `jax.jit(jax.grad(loss))` with respect to
-    the adapters alone and to the whole stack (compiled only).
+    the adapters alone and to the whole stack (compiled only); with `--h100`, also compiled
+    for a compile-only H100 (JAX's CUDA plugin, XLA's `h100_sxm.txtpb`), as
+    `benchmarks/gpu_target.py` does.
 - parity: the same gradients run on random values against a Python loop over the layers
     (`eqx_lean.unstack`), the largest difference relative to the loop's largest magnitude.
 - compile: trace + lower + compile time of the adapter gradient at L=2 and L=64, process CPU
@@ -40,6 +43,7 @@ LAYERS, DIM, RANK, BATCH = 16, 2048, 8, 4
 TRAINABLES = ("adapters", "whole stack")
 COMPILE_LAYERS = (2, 64)
 REPEATS = 3
+H100_SPEC = Path(__file__).resolve().parent.parent / "eqx_lean/_memory/gpu_specs/h100_sxm.txtpb"
 PATHS = ("public", "private")
 
 
@@ -61,8 +65,20 @@ def _worker(spec: dict[str, Any]) -> Any:
             base = x @ self.weight.astype(jnp.float32).T
             return jnp.tanh(base + (x @ self.lora_a.T) @ self.lora_b.T)
 
+    sharding = None
+    if spec.get("target") == "h100":  # a compile-only H100 (docs/benchmarks.md, gpu_target.py)
+        from jax.experimental import topologies
+
+        topology = topologies.get_topology_desc(
+            platform="cuda", topology="1x1x1", target_config=H100_SPEC.read_text()
+        )
+        (device,) = topology.devices
+        sharding = jax.sharding.SingleDeviceSharding(device)
+
+    def struct(shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
     def structs(num_layers: int) -> LoraLinear:
-        struct = jax.ShapeDtypeStruct
         return LoraLinear(
             struct((num_layers, DIM, DIM), jnp.bfloat16),
             struct((num_layers, RANK, DIM), jnp.float32),
@@ -96,7 +112,7 @@ def _worker(spec: dict[str, Any]) -> Any:
 
     assert has_custom_transpose() == (spec["path"] == "private")
     part = spec["part"]
-    x_struct = jax.ShapeDtypeStruct((BATCH, DIM), jnp.float32)
+    x_struct = struct((BATCH, DIM), jnp.float32)
     if part == "memory":
         temps = {}
         for trainable in TRAINABLES:
@@ -158,7 +174,7 @@ def _worker(spec: dict[str, Any]) -> Any:
         return outcomes
     assert part == "vmap"
     temps = {}
-    examples = jax.ShapeDtypeStruct((BATCH, DIM), jnp.float32)
+    examples = struct((BATCH, DIM), jnp.float32)
     for trainable in TRAINABLES:
 
         @jax.jit
@@ -179,6 +195,9 @@ def _measure(spec: dict[str, Any]) -> Any:
     env.pop("EQX_LEAN_NO_PRIVATE_JAX", None)
     if spec["path"] == "public":
         env["EQX_LEAN_NO_PRIVATE_JAX"] = "1"
+    if spec.get("target") == "h100":  # JAX's CUDA plugin compiles for absent GPUs only so
+        env.update(JAX_PLATFORMS="cpu", JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1")
+        env.update(CUDA_VISIBLE_DEVICES="-1")
     return run_json([sys.executable, __file__, "--worker", json.dumps(spec)], env)
 
 
@@ -186,12 +205,12 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:.2f} MiB"
 
 
-def _two_trainables(part: str, title: str) -> None:
+def _two_trainables(part: str, title: str, target: str = "cpu") -> None:
     print(f"\n### {title}\n")
     print("| path | adapters | whole stack |")
     print("| --- | --- | --- |")
     for path in PATHS:
-        found = _measure(dict(part=part, path=path))
+        found = _measure(dict(part=part, path=path, target=target))
         text = [found[t] if part == "parity" else _mib(found[t]) for t in TRAINABLES]
         print(f"| {path} | {text[0]} | {text[1]} |", flush=True)
 
@@ -227,6 +246,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="issue 46: the public lean backward of fold")
     parts = ("memory", "parity", "compile", "forward", "vmap")
     parser.add_argument("--part", choices=(*parts, "all"), default="all")
+    parser.add_argument(
+        "--h100", action="store_true", help="also the memory part compiled for an H100"
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     # This checkout's eqx_lean, whatever else is installed.
@@ -244,6 +266,12 @@ def main() -> None:
             f"Gradient temporaries, L={LAYERS}, {DIM}x{DIM} bfloat16, `remat=True` "
             "(`memory_analysis().temp_size_in_bytes`; bar: 32 MiB)",
         )
+        if args.h100:
+            _two_trainables(
+                "memory",
+                "The same, compiled for one H100 (compile-only, XLA's plan)",
+                target="h100",
+            )
     if "parity" in chosen:
         _two_trainables(
             "parity",
