@@ -9,9 +9,10 @@ so gradients cost what they cost on the private path.
 What a `custom_vjp` cannot do, and what `fold`/`scan` do instead:
 
 - forward mode: JAX refuses to differentiate a `custom_vjp` function forwards (`jax.jvp`,
-    `jax.jacfwd`; reverse-over-forward such as `jax.hessian` works, being forward mode over
-    the backward pass). The refusal is re-raised here naming `fold`/`scan` where JAX raises it
-    while `fold` runs (outside `jax.jit`); inside `jax.jit`, JAX raises its own when lowering.
+    `jax.jacfwd`; forward over reverse such as `jax.hessian` works: it differentiates the
+    backward pass, plain JAX, forwards). The refusal is re-raised here naming `fold`/`scan`
+    where JAX raises it while `fold` runs (outside `jax.jit`); inside `jax.jit`, JAX raises its
+    own when lowering.
 - `vmap` over a stack the batch does not reach: the backward pass would give one gradient of
     the whole stack per example, summed only afterwards. `fold`/`scan` take JAX's derivative
     of a scan over the stack there instead (`batching.batch_leaves_stack`).
@@ -45,6 +46,8 @@ jax.tree_util.register_pytree_node(
 )  # no leaves: all static
 
 
+# JAX's refusal (`raise_custom_vjp_error_on_jvp` in jax/_src/interpreters/ad.py, 0.10.2), matched
+# by its text: no public type tells it apart. Should the text change, JAX's own error passes.
 _FORWARD_MODE = "can't apply forward-mode autodiff (jvp) to a custom_vjp function"
 
 
