@@ -21,6 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.custom_derivatives import SymbolicZero
 from jaxtyping import Array
 
 from .layer_vjp import is_inexact
@@ -45,9 +46,33 @@ def _batching_of(leaves: list[Array]) -> list[list[bool]]:
     return seen
 
 
+def _differentiated(leaves: list[Array]) -> list[bool]:
+    """Which of `leaves` some differentiation around this call gives a tangent: a
+    `jax.custom_jvp` identity whose rule sees a symbolic zero for every other leaf. Its result
+    is unused, and its rule gives the tangents back as they are (symbolic zeros included), so
+    it adds nothing to the derivative."""
+    live = [False] * len(leaves)
+
+    @jax.custom_jvp
+    def identity(leaves: list[Array]) -> list[Array]:
+        return leaves
+
+    def rule(primals: tuple[list[Array]], tangents: tuple[list[Any]]) -> Any:
+        for j, t in enumerate(tangents[0]):
+            live[j] = live[j] or not isinstance(t, SymbolicZero)
+        return primals[0], tangents[0]
+
+    identity.defjvp(rule, symbolic_zeros=True)
+    identity(leaves)
+    return live
+
+
 def batch_leaves_stack(differentiable: list[Array], others: list[Array]) -> bool:
-    """Whether some `vmap` around this call batches some input but not every inexact leaf of
-    `differentiable` (a stack or constants that the vmapped function closes over).
+    """Whether some `vmap` around this call batches some input but not every differentiated
+    leaf of `differentiable` (a stack or constants that the vmapped function closes over).
+
+    The private primitive decides the same from its batching rule, where the differentiated
+    inputs are its linear ones (`linear_call`'s `unbatched_fallback`).
 
     **Arguments:**
 
@@ -58,7 +83,12 @@ def batch_leaves_stack(differentiable: list[Array], others: list[Array]) -> bool
     if not inexact:
         return False
     plain = [x for x in others if not jnp.issubdtype(jnp.result_type(x), jax.dtypes.extended)]
-    for batched in _batching_of([*inexact, *plain]):
-        if any(batched) and not all(batched[: len(inexact)]):
+    found = _batching_of([*inexact, *plain])
+    if not found:  # no `vmap` around: nothing more to ask
+        return False
+    live = _differentiated(inexact)
+    for batched in found:
+        unbatched = [not b and d for b, d in zip(batched[: len(inexact)], live, strict=True)]
+        if any(batched) and any(unbatched):
             return True
     return False
