@@ -22,9 +22,9 @@ switch is read at import): "public" with `EQX_LEAN_NO_PRIVATE_JAX=1`, the `jax.c
 - compile: trace + lower + compile time of the adapter gradient at L=2 and L=64, process CPU
     time, median of `REPEATS` fresh processes per point.
 - forward: whether `jax.jvp` and `jax.jacfwd` of `fold` run, or the error they raise.
-- vmap: the temporaries of `grad(sum(vmap(per-example loss)))`, the stack closed over by the
-    vmapped function (not batched), 4 examples of 2048, with respect to the adapters and to
-    the whole stack.
+- vmap: the temporaries of `grad(sum(vmap(per-example loss)))`, 4 examples of 2048: the stack
+    closed over by the vmapped function (not batched), with respect to the adapters and to the
+    whole stack; and per-example adapters (batched) over a shared frozen base.
 """
 
 import argparse
@@ -187,6 +187,19 @@ def _worker(spec: dict[str, Any]) -> Any:
 
         traced = gradient.trace(*split(structs(LAYERS), trainable), examples)
         temps[trainable] = temporaries(traced)
+
+    # Per-example adapters (batched, differentiated) over a shared frozen base (closed over).
+    @jax.jit
+    def per_example_adapters(train, frozen, xs):
+        def loss(train):
+            each = lambda t, v: jnp.sum(lean(eqx.combine(t, frozen), v) ** 2)  # noqa: E731
+            return jnp.sum(jax.vmap(each)(train, xs))
+
+        return jax.grad(loss)(train)
+
+    train, frozen = split(structs(LAYERS), "adapters")
+    train = jax.tree.map(lambda a: struct((BATCH, *a.shape), a.dtype), train)
+    temps["per-example adapters"] = temporaries(per_example_adapters.trace(train, frozen, examples))
     return temps
 
 
@@ -283,11 +296,17 @@ def main() -> None:
     if "forward" in chosen:
         _forward_part()
     if "vmap" in chosen:
-        _two_trainables(
-            "vmap",
-            f"`grad(sum(vmap(per-example loss)))`, {BATCH} examples, the stack closed over "
-            "(temporaries; bar: 272.78 MiB)",
+        print(
+            f"\n### `grad(sum(vmap(per-example loss)))`, {BATCH} examples (temporaries; bar: "
+            "272.78 MiB with the stack closed over)\n"
         )
+        print("| path | stack closed over: adapters | whole stack | per-example adapters, "
+              "frozen base closed over |")  # fmt: skip
+        print("| --- | --- | --- | --- |")
+        for path in PATHS:
+            found = _measure(dict(part="vmap", path=path))
+            cells = " | ".join(_mib(v) for v in found.values())
+            print(f"| {path} | {cells} |", flush=True)
 
 
 if __name__ == "__main__":

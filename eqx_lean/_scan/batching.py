@@ -1,4 +1,5 @@
-"""Which of `fold`/`scan`'s inputs an enclosing `jax.vmap` batches, learnt while tracing.
+"""Which of `fold`/`scan`'s inputs an enclosing `jax.vmap` batches (and which are differentiated),
+learnt while tracing.
 
 The public custom VJP (`public_vjp`) cannot see a `vmap` around it: batched, its backward pass
 gives one cotangent per example of a stack the batch does not reach, all of them at once
@@ -9,7 +10,9 @@ The question is a `jax.custom_batching.custom_vmap` identity: every `vmap` that 
 its rule with the batching of each input, while it traces. It is asked of values under
 `jax.lax.stop_gradient`, so that a differentiation around `fold` never meets it (JAX
 differentiates no `custom_vmap` in reverse mode); its result is unused, and whatever was staged
-of it is dead code.
+of it is dead code. Where some `vmap` batches something, a second question, a `jax.custom_jvp`
+identity whose rule sees a symbolic zero for each leaf without a tangent, says which leaves are
+differentiated: a frozen leaf gets no cotangent, so its being unbatched costs nothing.
 
 A `vmap` of a function `jax.jit` traced on its own first (`jax.vmap(jax.jit(f))`) batches the
 traced program, after `fold` has chosen: there the rule is called too late, and the custom
