@@ -15,9 +15,11 @@ stack), rank-8 float32 adapters per layer (`A: [8, 2048]`, `B: [2048, 8]`, stack
     to the adapters alone (the base frozen through `eqx.partition`) and to the whole stack, for
     each `remat` and two layer styles: "f32 product" casts the weight to float32 before the
     product, "bf16 product" multiplies in bfloat16 with float32 accumulation
-    (`preferred_element_type=jnp.float32`). "earlier" is the path `fold` takes where its
-    private-JAX accessor is unavailable (`EQX_LEAN_NO_PRIVATE_JAX=1`): `jax.lax.scan` over the
-    stack as `xs`; "index" is the hand-written backward pass that reads layer `i` by index.
+    (`preferred_element_type=jnp.float32`). "public" is the path `fold` takes where its
+    private-JAX accessor is unavailable (`EQX_LEAN_NO_PRIVATE_JAX=1`): since issue 46 the
+    hand-written backward pass as a `jax.custom_vjp` (before, `jax.lax.scan` over the stack as
+    `xs`, the "earlier" column of docs/benchmarks.md); "index" is the hand-written backward
+    pass through the private primitive.
 - compile: trace + lower + compile time of the adapter gradient (`remat=True`) at L=2 and
     L=64, process CPU time, median of `REPEATS` fresh processes per point.
 
@@ -132,7 +134,9 @@ def _memory_part() -> None:
     )
     earlier = _measure(dict(part="memory"), earlier=True)
     index = _measure(dict(part="memory"), earlier=False)
-    print("| remat | layer | gradient of | earlier (scan over xs) | index-reading backward |")
+    print(
+        "| remat | layer | gradient of | public (`EQX_LEAN_NO_PRIVATE_JAX=1`) | private primitive |"
+    )
     print("| --- | --- | --- | --- | --- |")
     for old, new in zip(earlier, index, strict=True):
         print(
@@ -149,7 +153,7 @@ def _compile_part() -> None:
     )
     print("| path | " + " | ".join(f"L={n}" for n in COMPILE_LAYERS) + " | ratio |")
     print("| --- | " + " | ".join("---" for _ in COMPILE_LAYERS) + " | --- |")
-    for name, earlier in (("earlier (scan over xs)", True), ("index-reading backward", False)):
+    for name, earlier in (("public (`EQX_LEAN_NO_PRIVATE_JAX=1`)", True), ("private", False)):
         times = [
             statistics.median(
                 _measure(dict(part="compile", layers=n), earlier) for _ in range(REPEATS)

@@ -153,8 +153,27 @@ def test_fold_differentiates_arrays_the_layers_close_over(mlp, getkey):
         return jnp.sum(jnp.sin(x))
 
     assert_close(jax.grad(ours, argnums=(0, 1))(scale, x), jax.grad(loop, argnums=(0, 1))(scale, x))
-    assert_close(jax.jacfwd(ours)(scale, x), jax.jacfwd(loop)(scale, x))
     assert_close(jax.hessian(ours)(scale, x), jax.hessian(loop)(scale, x))
+
+
+# Forward mode goes through the private primitive; the public path (another JAX, or
+# `EQX_LEAN_NO_PRIVATE_JAX=1`) refuses it by name (tests/test_scan_public_vjp.py).
+@pytest.mark.private_jax
+def test_fold_differentiates_arrays_the_layers_close_over_in_forward_mode(mlp, getkey):
+    stacked, x, _ = mlp
+    scale = jax.random.normal(getkey(), (DIM,))
+
+    def ours(scale, x):
+        return jnp.sum(
+            jnp.sin(eqx_lean.fold(stacked, x, (scale,), call=lambda layer, h, s: layer(h) * s))
+        )
+
+    def loop(scale, x):
+        for layer in eqx_lean.unstack(stacked):
+            x = layer(x) * scale
+        return jnp.sum(jnp.sin(x))
+
+    assert_close(jax.jacfwd(ours)(scale, x), jax.jacfwd(loop)(scale, x))
 
 
 def test_fold_keeps_no_reference_to_arrays_the_layers_close_over(mlp):
@@ -220,11 +239,11 @@ def test_fold_gradient_traces_one_layer_whatever_num_layers(getkey):
 # --- gradients: the index-reading backward pass -------------------------------------------------
 
 
-@pytest.mark.private_jax  # the hand-written backward pass against the public fallback
+@pytest.mark.private_jax  # the private primitive against the public custom VJP
 @pytest.mark.parametrize("remat", REMATS)
 def test_fold_gradients_equal_the_earlier_scan_over_xs(mlp, remat):
-    # The public fallback (the earlier path: `lax.scan` over the stack as `xs`) and the
-    # hand-written backward pass give the same values, those of the loop.
+    # The public path (a `jax.custom_vjp` of the same loops since issue 46; `lax.scan` over the
+    # stack as `xs` before) and the private primitive give the same values, those of the loop.
     stacked, x, expected = mlp
     with without_private_jax():
         assert not has_custom_transpose()
@@ -239,16 +258,16 @@ def loop_loss(stacked, x):
     return jnp.sum(jnp.sin(loop_fold(stacked, x)))
 
 
-@pytest.mark.quick
-@pytest.mark.parametrize(
-    "remat",
-    [
-        pytest.param(True, id="true"),
-        pytest.param(None, id="none", marks=pytest.mark.slow),
-        pytest.param("nested", id="nested", marks=pytest.mark.slow),
-    ],
-)
-def test_fold_under_every_transformation_matches_loop(mlp, remat):
+REMATS_UNDER_EVERY_TRANSFORMATION = [
+    pytest.param(True, id="true"),
+    pytest.param(None, id="none", marks=pytest.mark.slow),
+    pytest.param("nested", id="nested", marks=pytest.mark.slow),
+]
+
+
+def under_transformations(mlp, remat):
+    """`both(transform, *args)`, which checks `fold` against the loop under `transform`, and
+    the arguments the transformations take."""
     stacked, x, _ = mlp
     stacked, static = eqx.partition(stacked, eqx.is_array)  # the arrays, for jax.* transforms
     xs = jnp.stack([x, 0.5 * x, -x])
@@ -260,6 +279,14 @@ def test_fold_under_every_transformation_matches_loop(mlp, remat):
         expected = jax.jit(transform(lambda s, x: loop_loss(eqx.combine(s, static), x)))(*args)
         assert_close(jax.jit(transform(loss))(*args), expected)
 
+    return both, stacked, x, xs
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("remat", REMATS_UNDER_EVERY_TRANSFORMATION)
+def test_fold_under_every_transformation_matches_loop(mlp, remat):
+    both, stacked, x, xs = under_transformations(mlp, remat)
+
     def on_x(f):
         return lambda x: f(stacked, x)
 
@@ -270,12 +297,23 @@ def test_fold_under_every_transformation_matches_loop(mlp, remat):
     both(lambda f: jax.vmap(jax.grad(f, argnums=(0, 1)), in_axes=(None, 0)), stacked, xs)
     both(lambda f: jax.grad(batched_loss(f), argnums=(0, 1)), stacked, xs)
     both(lambda f: jax.jacrev(on_x(f)), x)
+    both(lambda f: jax.hessian(on_x(f)), x)  # forward over reverse
+    both(lambda f: jax.grad(jax.checkpoint(on_x(f))), x)
+
+
+# Forward mode goes through the private primitive; the public path refuses it by name.
+@pytest.mark.private_jax
+@pytest.mark.parametrize("remat", REMATS_UNDER_EVERY_TRANSFORMATION)
+def test_fold_under_every_forward_mode_transformation_matches_loop(mlp, remat):
+    both, stacked, x, xs = under_transformations(mlp, remat)
+
+    def on_x(f):
+        return lambda x: f(stacked, x)
+
     both(lambda f: lambda x, t: jax.jvp(on_x(f), (x,), (t,)), x, xs[1])
     both(lambda f: jax.jacfwd(on_x(f)), x)
-    both(lambda f: jax.hessian(on_x(f)), x)  # forward over reverse
     both(lambda f: jax.jacrev(jax.jacfwd(on_x(f))), x)  # reverse over forward
     both(lambda f: jax.jacfwd(jax.jacfwd(on_x(f))), x)
-    both(lambda f: jax.grad(jax.checkpoint(on_x(f))), x)
 
 
 def test_scan_gradients_with_integer_leaves_keys_and_python_scalars(mlp):
@@ -472,11 +510,9 @@ def test_lora_gradient_temporaries_at_most_half_the_bfloat16_stack(trainable, bf
     ],
 )
 @pytest.mark.parametrize("trainable", ["adapters", "whole"])
-# XLA:CPU's plan (421 MiB on the H100 against this 64 MiB bar), and on this CPU the lean
-# figure only the private primitive reaches today (540 MiB with `EQX_LEAN_NO_PRIVATE_JAX=1`
-# for `none`; issue 46's public lean backward is to lift this mark).
+# XLA:CPU's plan (421 MiB on the H100 against this 64 MiB bar); the private primitive and the
+# public custom VJP (`EQX_LEAN_NO_PRIVATE_JAX=1`, issue 46) both meet it.
 @pytest.mark.xla_cpu
-@pytest.mark.private_jax
 def test_lora_gradient_temporaries_on_every_remat_mode(trainable, remat):
     # No remat mode saves a copy of the stack, converted or not, nor a stack-sized zero: with
     # `None`, the layer's float32 copy of its weight is recomputed, not saved per layer.

@@ -8,7 +8,9 @@
 - `layer_vjp`: one layer's VJP inside `backward`'s loops: how the step's inputs split, what its
   linearisation saves or recomputes.
 - `linear_call`: the primitive through which reverse mode runs `backward` (its custom
-  transpose).
+  transpose), where private JAX is allowed.
+- `public_vjp`: `backward` as a public `jax.custom_vjp`, everywhere else.
+- `batching`: which inputs an enclosing `vmap` batches, for the public path's choice.
 - `fallback`: the scans JAX differentiates itself, where the custom backward is not used.
 - `gather`: ZeRO-3, each layer of a sharded stack gathered just before it runs.
 """

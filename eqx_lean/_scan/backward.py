@@ -9,10 +9,16 @@ so a frozen base costs nothing.
 
 JAX's own transpose of an index-reading loop would instead accumulate the stack's cotangent as
 a loop-carried, stack-sized sum; that of a scan over the stack as `xs` (the earlier path, still
-the fallback) converts the whole stack to float32 ahead of the loop on CPU and stacks the
-per-layer cotangents. Hence a hand-written transpose, attached to the tangent of a
-`custom_jvp` through `linear_call.linear_call_with_transpose`: reverse mode runs the loops below,
-forward mode (`jvp`, `jacfwd`) the JVP of the forward-only index-reading loop.
+taken under `vmap` over a stack the batch does not reach) converts the whole stack to float32
+ahead of the loop on CPU and stacks the per-layer cotangents. Hence a hand-written backward
+pass (`forward_saving`, `backward`), attached in one of two ways:
+
+- `differentiated_by_index` (here), where private JAX is allowed: as the transpose of the
+    tangent of a `custom_jvp`, through `linear_call.linear_call_with_transpose`, so reverse
+    mode runs the loops below and forward mode (`jvp`, `jacfwd`) the JVP of the forward-only
+    index-reading loop;
+- `public_vjp.differentiated_by_custom_vjp` elsewhere: as a `jax.custom_vjp` (reverse mode
+    only).
 """
 
 import dataclasses
@@ -219,6 +225,102 @@ def _nested_backward(
     return cts
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class ReversePlan:
+    """What the backward pass of one differentiated call reads besides arrays, found while
+    tracing its forward pass (compared and hashed by identity: it is static data that the
+    public custom VJP carries inside its residuals' pytree structure)."""
+
+    step: Step
+    step_inputs: StepInputs
+    policy: LayerPolicy
+    unroll: int | bool
+    num_layers: int
+    group_size: int | None
+    lin: Linearization  # found per group in the backward pass, for nested remat
+    num_carries: int  # the leading residuals that are the carries entering each layer
+
+
+def forward_saving(
+    step: Step,
+    treedefs: tuple[Any, ...],
+    leaves: list[Array],
+    live: list[bool],
+    policy: LayerPolicy,
+    num_layers: int,
+    group_size: int | None,
+    unroll: int | bool,
+) -> tuple[tuple[Any, Any], list[Array], ReversePlan]:
+    """The forward pass that saves what `backward` needs.
+
+    **Arguments:**
+
+    - `step`: the closure-converted per-layer step, `(consts, layer, carry, x) -> (carry, y)`.
+    - `treedefs`: of the constants (a list), the stack, the carry and `xs`.
+    - `leaves`: the leaves of `(consts, stack, carry, xs)`.
+    - `live`: per leaf, whether its cotangent is wanted (an inexact leaf with a tangent).
+    - `policy`, `group_size`, `unroll`, `num_layers`: as for `differentiated_by_index`.
+
+    **Returns:**
+
+    `((carry, ys), residuals, plan)`: the outputs, the arrays saved for the backward pass, and
+    the rest of what it needs.
+    """
+    consts, stack, carry_leaves, xs = split_parts(leaves, [t.num_leaves for t in treedefs[:3]])
+    live_parts = split_parts(live, [t.num_leaves for t in treedefs[:3]])
+    step_inputs = StepInputs(
+        treedefs,
+        live_consts=tuple(live_parts[0]),
+        live_stack=tuple(live_parts[1]),
+        inexact_carry=tuple(is_inexact(c) for c in carry_leaves),
+        live_carry=tuple(live_parts[2]),
+        live_xs=tuple(live_parts[3]),
+    )
+    loops = LayerLoops(step, step_inputs, policy, consts, stack, xs, unroll)
+    carry = treedefs[2].unflatten(carry_leaves)
+    if group_size is None:
+        carry_out, ys, carries, saved, lin = _forward_saving(loops, carry, jnp.int32(0), num_layers)
+        ys = lin.out_tree.children()[1].unflatten(ys)
+        residuals, num_carries = [*carries, *saved], len(carries)
+    else:
+        carry_out, ys, residuals = _forward_group_carries(loops, carry, num_layers, group_size)
+        lin, num_carries = Linearization(), 0
+    plan = ReversePlan(step, step_inputs, policy, unroll, num_layers, group_size, lin, num_carries)
+    return (carry_out, ys), residuals, plan
+
+
+def backward(
+    plan: ReversePlan, primals: list[Array], residuals: list[Array], cts_out: list[Array]
+) -> list[Array]:
+    """The backward pass: from the cotangents of the inexact outputs (the carry's, then the
+    `ys`'), the cotangents of the live inputs, in the order of `primals`.
+
+    **Arguments:**
+
+    - `plan`, `residuals`: as `forward_saving` returned them.
+    - `primals`: the leaves `forward_saving` was given.
+    - `cts_out`: one cotangent per inexact output leaf of `(carry, ys)`.
+    """
+    step_inputs = plan.step_inputs
+    consts, stack, _, xs = step_inputs.split(primals)
+    num_ct_carry = sum(step_inputs.inexact_carry)
+    cts = _Cotangents(
+        carry=list(cts_out[:num_ct_carry]),
+        consts=[jnp.zeros_like(c) for c in select(consts, step_inputs.live_consts)],
+        stack=[zeros_alike(s) for s in select(stack, step_inputs.live_stack)],
+        xs=[zeros_alike(x) for x in select(xs, step_inputs.live_xs)],
+    )
+    loops = LayerLoops(plan.step, step_inputs, plan.policy, consts, stack, xs, plan.unroll)
+    ct_ys = list(cts_out[num_ct_carry:])
+    if plan.group_size is None:
+        carries, saved = split_parts(residuals, [plan.num_carries])
+        cts = _backward_segment(loops, plan.lin, carries, saved, ct_ys, cts, 0, plan.num_layers)
+    else:
+        cts = _nested_backward(loops, residuals, ct_ys, cts, plan.num_layers, plan.group_size)
+    live_carry = select(step_inputs.live_carry, step_inputs.inexact_carry)
+    return [*cts.consts, *cts.stack, *select(cts.carry, live_carry), *cts.xs]
+
+
 def differentiated_by_index(
     step: Step,
     primal: Callable[..., tuple[Any, Any]],
@@ -229,7 +331,8 @@ def differentiated_by_index(
     group_size: int | None,
     unroll: int | bool,
 ) -> tuple[Any, Any]:
-    """Returns `primal(*args)`, differentiated in reverse mode by the index-reading loops here.
+    """Returns `primal(*args)`, differentiated in reverse mode by the index-reading loops here,
+    through the private primitive of `linear_call` (its custom transpose).
 
     **Arguments:**
 
@@ -251,11 +354,7 @@ def differentiated_by_index(
 
     `(carry, ys)`, as `primal`.
     """
-    consts, stack, carry, xs = args
-    # Python scalars in the carry become arrays here rather than inside each loop.
-    args = (list(consts), stack, jax.tree.map(jnp.asarray, carry), xs)
-    leaves, treedef = jax.tree.flatten(args)
-    treedefs = tuple(jax.tree.structure(a) for a in args)
+    leaves, treedef, treedefs = flat_arguments(args)
 
     @jax.custom_jvp
     def run(leaves: list[Array]) -> tuple[Any, Any]:
@@ -268,31 +367,12 @@ def differentiated_by_index(
             is_inexact(x) and not isinstance(t, SymbolicZero)
             for x, t in zip(leaves, tangent_leaves, strict=True)
         ]
-        consts, stack, carry_leaves, xs = split_parts(leaves, [t.num_leaves for t in treedefs[:3]])
-        live_parts = split_parts(live, [t.num_leaves for t in treedefs[:3]])
-        step_inputs = StepInputs(
-            treedefs,
-            live_consts=tuple(live_parts[0]),
-            live_stack=tuple(live_parts[1]),
-            inexact_carry=tuple(is_inexact(c) for c in carry_leaves),
-            live_carry=tuple(live_parts[2]),
-            live_xs=tuple(live_parts[3]),
+        (carry_out, ys), residuals, plan = forward_saving(
+            step, treedefs, leaves, live, policy, num_layers, group_size, unroll
         )
-        loops = LayerLoops(step, step_inputs, policy, consts, stack, xs, unroll)
-        carry = treedefs[2].unflatten(carry_leaves)
-        if group_size is None:
-            carry_out, ys, carries, saved, lin = _forward_saving(
-                loops, carry, jnp.int32(0), num_layers
-            )
-            ys = lin.out_tree.children()[1].unflatten(ys)
-            residuals, carries_kept = [*carries, *saved], carries
-        else:
-            carry_out, ys, residuals = _forward_group_carries(loops, carry, num_layers, group_size)
-            carries_kept = []
-            lin = Linearization()  # found per group, in the backward pass
         out_leaves, out_tree = jax.tree.flatten((carry_out, ys))
         out_inexact = [is_inexact(o) for o in out_leaves]
-        num_ct_carry, num_primals = sum(step_inputs.inexact_carry), len(leaves)
+        num_primals = len(leaves)
 
         def tangent_of(forward: Callable[..., tuple[Any, Any]]) -> Callable[..., list[Array]]:
             """Forward mode: `(primals, residuals, tangents) -> output tangents` of `forward`."""
@@ -316,22 +396,7 @@ def differentiated_by_index(
         def transpose(*flat: Array) -> list[Array]:
             """Reverse mode: the backward loop, from the cotangents of the inexact outputs."""
             primals, res, cts_out = split_parts(flat, [num_primals, len(residuals)])
-            consts, stack, _, xs = step_inputs.split(primals)
-            cts = _Cotangents(
-                carry=cts_out[:num_ct_carry],
-                consts=[jnp.zeros_like(c) for c in select(consts, step_inputs.live_consts)],
-                stack=[zeros_alike(s) for s in select(stack, step_inputs.live_stack)],
-                xs=[zeros_alike(x) for x in select(xs, step_inputs.live_xs)],
-            )
-            loops_now = LayerLoops(step, step_inputs, policy, consts, stack, xs, unroll)
-            ct_ys = cts_out[num_ct_carry:]
-            if group_size is None:
-                carries, saved = split_parts(res, [len(carries_kept)])
-                cts = _backward_segment(loops_now, lin, carries, saved, ct_ys, cts, 0, num_layers)
-            else:
-                cts = _nested_backward(loops_now, res, ct_ys, cts, num_layers, group_size)
-            live_carry = select(step_inputs.live_carry, step_inputs.inexact_carry)
-            return [*cts.consts, *cts.stack, *select(cts.carry, live_carry), *cts.xs]
+            return backward(plan, primals, res, cts_out)
 
         lin_tangents = select(tangent_leaves, live)
         if lin_tangents:
@@ -353,3 +418,14 @@ def differentiated_by_index(
 
     run.defjvp(run_jvp, symbolic_zeros=True)
     return run(leaves)
+
+
+def flat_arguments(args: tuple[list[Array], Any, Any, Any]) -> tuple[list[Array], Any, Any]:
+    """The leaves of `(consts, stack, carry, xs)`, their treedef, and each part's treedef.
+
+    Python scalars in the carry become arrays here rather than inside each loop.
+    """
+    consts, stack, carry, xs = args
+    args = (list(consts), stack, jax.tree.map(jnp.asarray, carry), xs)
+    leaves, treedef = jax.tree.flatten(args)
+    return leaves, treedef, tuple(jax.tree.structure(a) for a in args)

@@ -1,9 +1,9 @@
 """The scans JAX differentiates itself: a `lax.scan` over the stack as `xs`, with the layer
 policy of `remat=` and nested groups.
 
-`fold` and `scan` run these as their forward-mode-only form when the custom transpose of
-`backward` is not available (another JAX series, or private JAX forced off), and under `vmap`
-for a stack the batch does not reach, where JAX's own derivative sums as it goes.
+`fold` and `scan` differentiate these under `vmap` over a stack the batch does not reach,
+where JAX's own derivative sums the examples' gradients as it goes (`backward` and `batching`
+say how each path finds that case).
 """
 
 from collections.abc import Callable

@@ -15,10 +15,12 @@ from jaxtyping import Array, PRNGKeyArray, PyTree
 
 from .. import _platform
 from .backward import differentiated_by_index
+from .batching import batch_leaves_stack
 from .checks import check_xs, checked_stack
 from .fallback import nested_scan, scan_layers
 from .gather import Gather, gather_shardings, gathered_step, tie_gradient_shardings
 from .linear_call import has_custom_transpose
+from .public_vjp import differentiated_by_custom_vjp
 from .remat import LAYER_CARRY, SAVE_ALL, Remat, check_remat, checkpointed, resolve_remat
 
 
@@ -210,22 +212,19 @@ def _scan(
         step = functools.partial(step_with, consts)
         return _scan_by_index(step, dynamic, carry, xs, num_layers, unroll)
 
+    args = (consts, dynamic, carry, xs)
     if has_custom_transpose():
         return differentiated_by_index(
-            step_with,
-            primal,
-            differentiable,
-            (consts, dynamic, carry, xs),
-            num_layers,
-            policy,
-            group_size,
-            unroll,
+            step_with, primal, differentiable, args, num_layers, policy, group_size, unroll
         )
-
-    # The public fallback: JAX differentiates a scan over the stack as `xs`, whose backward pass
-    # stacks the per-layer cotangents (its transpose of the index-reading loop would carry a
-    # stack-sized sum of them from layer to layer).
-    return _differentiated_as(primal, differentiable, (consts, dynamic, carry, xs))
+    if batch_leaves_stack([*consts, *jax.tree.leaves(dynamic)], jax.tree.leaves((carry, xs))):
+        # Under `vmap`, over a stack the batch does not reach: JAX's own derivative of the scan
+        # over the stack, which sums the examples' gradients layer by layer.
+        return _differentiated_as(primal, differentiable, args)
+    name = "scan" if carry_name == "carry" else "fold"
+    return differentiated_by_custom_vjp(
+        step_with, primal, args, num_layers, policy, group_size, unroll, name
+    )
 
 
 def scan(
@@ -281,15 +280,26 @@ def scan(
     grads = jax.grad(lambda t: loss(eqx.combine(t, frozen), x))(trainable)
     ```
 
-    What the forward pass keeps for the backward is set by `remat` (below). Forward-mode
-    derivatives (`jax.jvp`, `jax.jacfwd`) differentiate the forward loop directly. The values
-    are those of a Python loop over [`eqx_lean.unstack`][] whatever the choices.
+    What the forward pass keeps for the backward is set by `remat` (below). The values are
+    those of a Python loop over [`eqx_lean.unstack`][] whatever the choices.
+
+    **Forward mode and JAX versions.** On the JAX series eqx_lean was tested with (0.10), the
+    backward pass is attached through a private JAX primitive, and forward-mode derivatives
+    (`jax.jvp`, `jax.jacfwd`) differentiate the forward loop directly. On any other JAX (or
+    with `EQX_LEAN_NO_PRIVATE_JAX=1`) it is a public `jax.custom_vjp`, with the same memory:
+    there JAX differentiates `fold` and `scan` in reverse mode only (`jax.grad`, `jax.vjp`,
+    `jax.jacrev`, and forward over reverse such as `jax.hessian`), and `jax.jvp` or
+    `jax.jacfwd` of them raise a `TypeError` that says so (inside `jax.jit`, JAX's own
+    "can't apply forward-mode autodiff (jvp) to a custom_vjp function", when lowering).
 
     Give the layers the batch axis themselves for this backward pass. Under
     `jax.vmap(lambda x: eqx_lean.fold(blocks, x))(batch)` inside a gradient, the stack is not
     batched while the activations are, and the hand-written loops would build one gradient of
     the whole stack per example: there the gradient is JAX's own derivative of a `lax.scan`
-    over the stack (the same values; the memory `fold` needed before 0.2.0).
+    over the stack (the same values; the memory `fold` needed before 0.2.0). On a JAX other
+    than 0.10 this is decided while `vmap` traces `fold`, so a `vmap` of a function jitted
+    on its own first (`jax.vmap(jax.jit(f))`) keeps the hand-written backward pass: put the
+    `jax.jit` outside.
 
     **Random keys.** Pass one key per layer in `xs`, e.g.
     `xs=(cache, jax.random.split(key, L))`, or use [`eqx_lean.fold`][]'s `key=`.
