@@ -155,7 +155,9 @@ def only_home(monkeypatch, home):
             monkeypatch.delattr(sys.modules[name], "shard_alike", raising=False)
 
 
-@pytest.mark.parametrize("home", compat._SHARD_ALIKE_HOMES)
+# JAX 0.10-0.11.1.dev keep it in `jax.experimental.shard_alike` (docs/jax-compat.md); the
+# others are where a later JAX may move it.
+@pytest.mark.parametrize("home", ["jax.experimental.shard_alike", "jax.sharding", "jax.lax", "jax"])
 def test_shard_alike_is_found_in_each_public_home(monkeypatch, shard_alike_cache, home):
     only_home(monkeypatch, home)
     assert compat._find_shard_alike() is _tied
