@@ -21,6 +21,11 @@ import jax
 # The JAX releases whose private APIs below were read and tested (major, minor).
 TESTED_JAX_SERIES = (0, 10)
 
+# The newest JAX series whose sources docs/jax-compat.md was read from (major, minor):
+# `pyproject.toml` admits JAX and jaxlib up to this series and not the next one
+# (tests/test_compat.py checks that the two agree).
+NEWEST_JAX_SERIES_READ = (0, 11)
+
 # Test seam: `EQX_LEAN_NO_PRIVATE_JAX` (tests/test_compat.py) and `without_private_jax` (the tests
 # of every fallback) force the fallbacks; tests/test_compat.py also patches `jax.__version_info__`.
 _forced_off = os.environ.get("EQX_LEAN_NO_PRIVATE_JAX", "") not in ("", "0")
@@ -45,17 +50,26 @@ def without_private_jax() -> Iterator[None]:
 
 # --- shard_alike --------------------------------------------------------------------------------
 
-# Where JAX releases have kept `shard_alike` (public but experimental: JAX 0.10 has it in
-# `jax.experimental.shard_alike`; JAX 0.11.2, as installed on the GPU machine of 2026-11-25,
-# does not, and `import eqx_lean` failed there).
-# Test seam: tests/test_compat.py points it at modules without `shard_alike` and clears the cache
-# of `_find_shard_alike`.
+# Where JAX releases keep `shard_alike`, in order. In every JAX source read for
+# docs/jax-compat.md (jax-v0.10.2, jax-v0.11.0 and jax-ml/jax@cec06d1, 0.11.1.dev) its one public
+# home is `jax.experimental.shard_alike` (line 16, re-exporting `jax._src.shard_alike`, line 31);
+# yet JAX 0.11.2, as installed on the GPU machine of 2026-11-25, had none there and
+# `import eqx_lean` failed (0.11.2's sources were not reachable to say where it went). The other
+# public names are where JAX has moved experimental sharding APIs before (CHANGELOG.md line 570
+# at cec06d1: `jax.experimental.shard` went to `jax.sharding`).
+# Test seam: tests/test_compat.py fakes each home and clears the cache of `_find_shard_alike`.
 _SHARD_ALIKE_HOMES = ("jax.experimental.shard_alike", "jax.sharding", "jax.lax", "jax")
+
+# The private module that defines `shard_alike` in every release read: searched after the public
+# homes, and only where private JAX is allowed.
+# Test seam: tests/test_compat.py fakes it.
+_SHARD_ALIKE_PRIVATE_HOME = "jax._src.shard_alike"
 
 
 @functools.cache
-def _find_shard_alike() -> Callable[[Any, Any], tuple[Any, Any]] | None:
-    for module in _SHARD_ALIKE_HOMES:
+def _find_shard_alike(private: bool = False) -> Callable[[Any, Any], tuple[Any, Any]] | None:
+    homes = _SHARD_ALIKE_HOMES + ((_SHARD_ALIKE_PRIVATE_HOME,) if private else ())
+    for module in homes:
         try:
             found = getattr(importlib.import_module(module), "shard_alike", None)
         except ImportError:
@@ -68,18 +82,22 @@ def _find_shard_alike() -> Callable[[Any, Any], tuple[Any, Any]] | None:
 def shard_alike(x: Any, y: Any) -> tuple[Any, Any]:
     """JAX's `shard_alike(x, y)`: `(x, y)`, with the partitioner told to shard them alike.
 
-    On a single device there is nothing to tie and `(x, y)` is returned as they are; on several
-    devices a JAX without `shard_alike` is an error (it cannot be emulated: the sharding it
-    ties is known only to the compiler).
+    Found in the first of `_SHARD_ALIKE_HOMES` that has it; where none does, in the private
+    module that defines it (`_SHARD_ALIKE_PRIVATE_HOME`), where private JAX is allowed.
+
+    Fallback (no home has it): on a single device there is nothing to tie and `(x, y)` is
+    returned as they are; on several devices it is an error (it cannot be emulated: the sharding
+    it ties is known only to the compiler).
     """
-    found = _find_shard_alike()
+    found = _find_shard_alike(private_jax_allowed())
     if found is not None:
         return found(x, y)
     if jax.device_count() == 1:
         return x, y
     raise NotImplementedError(
         f"eqx_lean needs `shard_alike` to place a sharded stack's gradient, and JAX "
-        f"{jax.__version__} has none in {', '.join(_SHARD_ALIKE_HOMES)}; use JAX 0.10."
+        f"{jax.__version__} has none in {', '.join(_SHARD_ALIKE_HOMES)}; use JAX 0.10 "
+        "(docs/jax-compat.md)."
     )
 
 

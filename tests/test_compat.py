@@ -6,6 +6,9 @@ path, eagerly and under `jit`, `vmap`, `grad` and `eqx.filter_eval_shape`.
 
 import subprocess
 import sys
+import tomllib
+import types
+from importlib import metadata
 from pathlib import Path
 
 import equinox as eqx
@@ -13,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from harness import TINY_BLOCK, GPTBlock, assert_bitwise_equal
+from packaging.requirements import Requirement
 
 import eqx_lean
 from eqx_lean.internal import (
@@ -118,30 +122,97 @@ def test_a_jax_without_the_lowering_hook_takes_the_fallback(monkeypatch, tmp_pat
         eqx_lean.clear_caches()
 
 
-def test_shard_alike_is_found_where_this_jax_keeps_it():
+@pytest.fixture
+def shard_alike_cache():
+    compat._find_shard_alike.cache_clear()
+    yield
+    compat._find_shard_alike.cache_clear()
+
+
+def test_shard_alike_is_found_where_this_jax_keeps_it(shard_alike_cache):
     from jax.experimental.shard_alike import shard_alike as jax_shard_alike
 
-    compat._find_shard_alike.cache_clear()
     assert compat._find_shard_alike() is jax_shard_alike
 
 
-def test_a_jax_without_shard_alike_runs_on_one_device_and_says_so_on_several(monkeypatch):
+def _tied(x, y):
+    return ("tied", x), ("tied", y)
+
+
+def only_home(monkeypatch, home):
+    """Every home of `shard_alike` but `home` (a module name, or None) is without it; `home`
+    has a fake one (`_tied`). Modules that only exist for it are replaced in `sys.modules`;
+    JAX's own modules (`jax`, `jax.sharding`, `jax.lax`) get or lose the attribute."""
+    for name in (*compat._SHARD_ALIKE_HOMES, compat._SHARD_ALIKE_PRIVATE_HOME):
+        if name in ("jax.experimental.shard_alike", compat._SHARD_ALIKE_PRIVATE_HOME):
+            module = types.ModuleType(name)
+            if name == home:
+                module.shard_alike = _tied  # pyright: ignore[reportAttributeAccessIssue]
+            monkeypatch.setitem(sys.modules, name, module)
+        elif name == home:
+            monkeypatch.setattr(sys.modules[name], "shard_alike", _tied, raising=False)
+        else:
+            monkeypatch.delattr(sys.modules[name], "shard_alike", raising=False)
+
+
+# JAX 0.10-0.11.1.dev keep it in `jax.experimental.shard_alike` (docs/jax-compat.md); the
+# others are where a later JAX may move it.
+@pytest.mark.parametrize("home", ["jax.experimental.shard_alike", "jax.sharding", "jax.lax", "jax"])
+def test_shard_alike_is_found_in_each_public_home(monkeypatch, shard_alike_cache, home):
+    only_home(monkeypatch, home)
+    assert compat._find_shard_alike() is _tied
+    with without_private_jax():
+        assert shard_alike(1, 2) == (("tied", 1), ("tied", 2))
+
+
+def test_the_private_home_of_shard_alike_is_searched_only_where_private_jax_is_allowed(
+    monkeypatch, shard_alike_cache
+):
+    only_home(monkeypatch, compat._SHARD_ALIKE_PRIVATE_HOME)
+    assert compat._find_shard_alike(True) is _tied
+    assert compat._find_shard_alike(False) is None
+    with without_private_jax():
+        with pytest.raises(NotImplementedError, match="needs `shard_alike`"):
+            shard_alike(jnp.arange(3.0), jnp.zeros(3))  # the suite's process has 8 devices
+
+
+@pytest.mark.private_jax
+def test_shard_alike_takes_its_private_home_on_the_tested_jax(monkeypatch, shard_alike_cache):
+    only_home(monkeypatch, compat._SHARD_ALIKE_PRIVATE_HOME)
+    assert shard_alike(1, 2) == (("tied", 1), ("tied", 2))
+
+
+def test_a_jax_without_shard_alike_runs_on_one_device_and_says_so_on_several(
+    monkeypatch, shard_alike_cache
+):
     # JAX 0.11.2 (seen on a lent GPU machine) has no `jax.experimental.shard_alike`; a single
     # device needs nothing tied, several cannot do without it.
     x, y = jnp.arange(3.0), jnp.zeros(3)
-    monkeypatch.setattr(compat, "_SHARD_ALIKE_HOMES", ("no_such_module_here", "jax.numpy"))
-    compat._find_shard_alike.cache_clear()
-    try:
-        assert compat._find_shard_alike() is None
-        # The suite's process has 8 devices (conftest): the one-device case is patched in.
-        monkeypatch.setattr(jax, "device_count", lambda: 1)
-        tied_x, tied_y = shard_alike(x, y)
-        assert tied_x is x and tied_y is y
-        monkeypatch.setattr(jax, "device_count", lambda: 8)
-        with pytest.raises(NotImplementedError, match="needs `shard_alike`.*use JAX 0.10"):
-            shard_alike(x, y)
-    finally:
-        compat._find_shard_alike.cache_clear()
+    only_home(monkeypatch, None)
+    assert compat._find_shard_alike(False) is None
+    assert compat._find_shard_alike(True) is None
+    # The suite's process has 8 devices (conftest): the one-device case is patched in.
+    monkeypatch.setattr(jax, "device_count", lambda: 1)
+    tied_x, tied_y = shard_alike(x, y)
+    assert tied_x is x and tied_y is y
+    monkeypatch.setattr(jax, "device_count", lambda: 8)
+    with pytest.raises(NotImplementedError, match="needs `shard_alike`.*use JAX 0.10"):
+        shard_alike(x, y)
+
+
+def test_the_jax_requirement_admits_the_series_read_from_source_and_no_newer():
+    # docs/jax-compat.md reads each API eqx_lean uses in JAX's sources up to
+    # `NEWEST_JAX_SERIES_READ`: pyproject.toml admits JAX and jaxlib that far (and the JAX
+    # installed here), and not the next series.
+    pyproject = Path(__file__).parents[1] / "pyproject.toml"
+    dependencies = tomllib.loads(pyproject.read_text())["project"]["dependencies"]
+    requirements = {Requirement(text).name: Requirement(text) for text in dependencies}
+    major, minor = compat.NEWEST_JAX_SERIES_READ
+    for name in ("jax", "jaxlib"):
+        specifier = requirements[name].specifier
+        assert specifier.contains(metadata.version(name)), (name, str(specifier))
+        assert specifier.contains(f"{major}.{minor}.9"), (name, str(specifier))
+        assert not specifier.contains(f"{major}.{minor + 1}.0"), (name, str(specifier))
 
 
 @pytest.mark.parametrize("value", ["1", "0"])

@@ -81,7 +81,7 @@ from .._arguments import (
 )
 
 # --- Private JAX and its fallbacks (`eqx_lean._compat`, `_scan.linear_call`, `_threefry`) ----
-from .. import _compat as compat  # seam module: `_SHARD_ALIKE_HOMES` and the cached probes
+from .. import _compat as compat  # seam module: the homes of `shard_alike`, cached probes
 from .._compat import (
     can_override_lowering as can_override_lowering,
     private_jax_allowed as private_jax_allowed,
