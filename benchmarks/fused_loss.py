@@ -23,7 +23,8 @@ Cases (each prints one table row per method; nothing runs, nothing is allocated)
     this CPU. `--loss textbook` or `--loss fused` runs one loss in its own process (for its
     peak RSS: the build's and the step's, printed apart), `--loss both` alternates them in one
     process (for the time); `--steps N` steps of each (the first compiles); `--plan` prints
-    XLA's memory plan of each step instead (compile only). It prints the load average.
+    XLA's memory plan of each step instead (compile only); `--seq-len N` runs 1 x N tokens
+    (issue 44's bar: 8,192). It prints the load average.
 
     JAX_PLATFORMS=cpu python benchmarks/fused_loss.py loss decoder
     JAX_PLATFORMS=cpu python benchmarks/fused_loss.py steptime
@@ -253,11 +254,13 @@ LLAMA_1B = hf.MistralConfig(
 )
 
 
-def step1b_case(loss: str = "both", steps: int = 6, plan: bool = False) -> None:
-    """A LoRA AdamW step of a Llama-3.2-1B-shaped decoder in bfloat16 at 1 x 2,048 tokens on
-    this CPU: `loss` is `"textbook"`, `"fused"` or `"both"` (alternated in one process), each
-    run `steps` times (the first compiles); the times of steps 2 on and their median. With
-    `plan`, XLA's memory plan of each step instead (compile only)."""
+def step1b_case(
+    loss: str = "both", steps: int = 6, plan: bool = False, seq_len: int = 2048
+) -> None:
+    """A LoRA AdamW step of a Llama-3.2-1B-shaped decoder in bfloat16 at 1 x `seq_len` tokens
+    on this CPU: `loss` is `"textbook"`, `"fused"` or `"both"` (alternated in one process),
+    each run `steps` times (the first compiles); the times of steps 2 on and their median.
+    With `plan`, XLA's memory plan of each step instead (compile only)."""
     import os
     import statistics
 
@@ -267,7 +270,7 @@ def step1b_case(loss: str = "both", steps: int = 6, plan: bool = False) -> None:
 
     print(f"load average before: {os.getloadavg()}", flush=True)
     lora_config = lora.LoraConfig(r=16, lora_alpha=32, target_modules=ALL_SEVEN)
-    ids = jax.random.randint(jax.random.key(2), (1, 2048), 0, LLAMA_1B.vocab_size)
+    ids = jax.random.randint(jax.random.key(2), (1, seq_len), 0, LLAMA_1B.vocab_size)
     jax.block_until_ready(ids)
     idle = status_kib("VmRSS")
     start = time.perf_counter()
@@ -342,7 +345,7 @@ def step1b_case(loss: str = "both", steps: int = 6, plan: bool = False) -> None:
                 f"load average {os.getloadavg()}",
                 flush=True,
             )
-    print("\nLoRA step, Llama-3.2-1B shape, bfloat16, 1 x 2,048 tokens, this CPU")
+    print(f"\nLoRA step, Llama-3.2-1B shape, bfloat16, 1 x {seq_len:,} tokens, this CPU")
     median = {f: statistics.median(t[1:]) for f, t in times.items() if len(t) > 1}
     for fused, seconds in median.items():
         print(f"fused={fused}: median of steps 2-{steps} {seconds:.1f} s")
@@ -371,11 +374,12 @@ def main() -> None:
     parser.add_argument("--loss", choices=("textbook", "fused", "both"), default="both")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--plan", action="store_true", help="step1b: XLA's plans, nothing run")
+    parser.add_argument("--seq-len", type=int, default=2048, help="step1b: tokens per row")
     args = parser.parse_args()
     print(f"jax {jax.__version__}, backend {jax.default_backend()}")
     for name in args.cases:
         if name == "step1b":
-            step1b_case(args.loss, args.steps, args.plan)
+            step1b_case(args.loss, args.steps, args.plan, args.seq_len)
         else:
             CASES[name]()
 

@@ -127,7 +127,8 @@ def _made_by_jax() -> tuple[type, ...]:
 
 
 def _remat3() -> bool:
-    """Whether JAX's `jax_remat3` is on (an option of JAX 0.11 and later, off by default)."""
+    """Whether JAX's `jax_remat3` is on (an option since JAX 0.10.2, off by default:
+    jax/_src/config.py line 1268 at 0.10.2, docs/jax-compat.md)."""
     return bool(getattr(jax.config, "jax_remat3", False))
 
 
