@@ -14,8 +14,7 @@ import pytest
 import safetensors.numpy
 from test_mistral import hf_logits, max_diff, randomized
 
-from eqx_lean.hf import Mistral, MistralConfig, generate, init, load_hf, save_hf
-from eqx_lean.internal import Decoder, DecoderConfig
+from eqx_lean.hf import Decoder, DecoderConfig, generate, init, load_hf, save_hf
 
 
 torch = pytest.importorskip("torch")
@@ -219,7 +218,7 @@ def test_qwen2_released_form_has_no_window():
 
 
 def test_tied_checkpoint_with_a_stored_head(tmp_path):
-    model = init(MistralConfig.from_hf(FAMILIES["llama3"][2]), key=jax.random.key(0), std=0.2)
+    model = init(DecoderConfig.from_hf(FAMILIES["llama3"][2]), key=jax.random.key(0), std=0.2)
     assert model.lm_head is None
     save_hf(model, tmp_path)
     weights = tmp_path / "model.safetensors"
@@ -291,13 +290,27 @@ def test_generate_stops_at_any_eos(tmp_path):
 def test_refusals_name_file_and_field(tmp_path, fields, message):
     (tmp_path / "config.json").write_text(json.dumps(FAMILIES["llama2"][2] | fields))
     with pytest.raises(ValueError, match=r"config\.json is not a config eqx_lean\.hf reads: "):
-        MistralConfig.from_json(tmp_path)
+        DecoderConfig.from_json(tmp_path)
     with pytest.raises(ValueError, match=message):
-        MistralConfig.from_json(tmp_path)
+        DecoderConfig.from_json(tmp_path)
 
 
 def test_qwen2_layer_types_and_aliases():
-    assert DecoderConfig is MistralConfig and Decoder is Mistral
+    import pickle
+
+    import eqx_lean.hf
+
+    # The names before `Decoder`: the same classes, reached with a warning.
+    with pytest.warns(DeprecationWarning, match=r"eqx_lean\.hf\.Mistral` is deprecated"):
+        assert eqx_lean.hf.Mistral is Decoder
+    with pytest.warns(DeprecationWarning, match=r"use `eqx_lean\.hf\.DecoderConfig`"):
+        old = eqx_lean.hf.MistralConfig
+    assert old is DecoderConfig and isinstance(DecoderConfig(), old)
+    # A config pickled under the old name (its class's module path then) still loads.
+    blob = pickle.dumps(DecoderConfig()).replace(b"DecoderConfig", b"MistralConfig")
+    assert pickle.loads(blob) == DecoderConfig()
+    with pytest.raises(AttributeError, match="has no attribute 'Mistral7B'"):
+        eqx_lean.hf.Mistral7B  # noqa: B018
     with pytest.raises(ValueError, match=r"`layer_types` must give one of"):
         DecoderConfig.from_hf(FAMILIES["qwen2"][2] | {"layer_types": ["full_attention"]})
     with pytest.raises(ValueError, match=r"\(attention_bias, o_proj_bias, mlp_bias\)"):

@@ -249,7 +249,7 @@ def _request(args: argparse.Namespace) -> _Request:
                 f"multiples of it; got {max_batch}."
             )
         check_step_arguments(where, batch, args.seq_len, mesh_axes)
-        config = hf.MistralConfig.from_json(args.config)
+        config = hf.DecoderConfig.from_json(args.config)
     except (ValueError, TypeError) as error:
         raise _UsageError(str(error)) from None
     except OSError as error:  # argparse's own words for a file it cannot open

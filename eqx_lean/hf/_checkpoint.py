@@ -20,9 +20,9 @@ from .._io.names import stored_layer_count
 from .._io.quantized import quant_config
 from .._io.safetensors import INDEX_FILE, WEIGHTS_FILE
 from ..quant._linear import QuantConfig
-from ._config import MistralConfig, config_from_file, parse_config_json
+from ._config import DecoderConfig, config_from_file, parse_config_json
 from ._families import DTYPE_NAMES, declared_layers, stated_dtype
-from ._model import DecoderBlock, Mistral, RMSNorm, _linear_from_weight, _resolve_dtype, make_block
+from ._model import Decoder, DecoderBlock, RMSNorm, _linear_from_weight, _resolve_dtype, make_block
 from ._quantized import load_quantized, refuse_bitsandbytes, refuse_prequantized
 
 
@@ -33,7 +33,7 @@ def _layer_name(index: int | str, name: str) -> str:
     return f"model.layers.{index}.{name}"
 
 
-def _named_leaves(like: Mistral) -> list[tuple[str, Any]]:
+def _named_leaves(like: Decoder) -> list[tuple[str, Any]]:
     """Every array leaf of `like` with its HF name (a template with `{i}` for a block leaf):
     JAX and NumPy arrays and abstract `jax.ShapeDtypeStruct`s alike."""
     return [
@@ -43,11 +43,11 @@ def _named_leaves(like: Mistral) -> list[tuple[str, Any]]:
     ]
 
 
-def _hf_names(config: MistralConfig) -> list[str]:
+def _hf_names(config: DecoderConfig) -> list[str]:
     return _tensor_names(abstract_model(config))
 
 
-def _tensor_names(like: Mistral) -> list[str]:
+def _tensor_names(like: Decoder) -> list[str]:
     """Every HF tensor name `like` has a leaf for, one per layer for a block leaf."""
     names = []
     for template, _ in _named_leaves(like):
@@ -82,7 +82,7 @@ _DIM_FIELDS: dict[str, tuple[tuple[str, ...], ...]] = {
 
 
 def _sized_by(
-    name: str, expected: tuple[int, ...], held: tuple[int, ...], config: MistralConfig
+    name: str, expected: tuple[int, ...], held: tuple[int, ...], config: DecoderConfig
 ) -> str:
     """The config fields, with their values, that give tensor `name` a shape other than the
     one held: "`hidden_size`=16 gives", "`hidden_size`=16, `vocab_size`=8 give"."""
@@ -98,7 +98,7 @@ def _sized_by(
 
 
 def _check_shape(
-    name: str, held: tuple[int, ...], expected: tuple[int, ...], config: MistralConfig
+    name: str, held: tuple[int, ...], expected: tuple[int, ...], config: DecoderConfig
 ) -> None:
     if tuple(held) != tuple(expected):
         raise ValueError(
@@ -109,8 +109,8 @@ def _check_shape(
 
 
 def _assemble(
-    get_tensor: Callable[[str], np.ndarray], config: MistralConfig, dtype: Any
-) -> Mistral:
+    get_tensor: Callable[[str], np.ndarray], config: DecoderConfig, dtype: Any
+) -> Decoder:
     """Builds the model from HF tensors fetched one at a time by name.
 
     The stacked leaves are preallocated in `dtype` and filled one layer slice at a time with
@@ -142,8 +142,8 @@ def _untied_error(where: str) -> ValueError:
 
 
 def from_hf_state_dict(
-    state_dict: dict[str, np.ndarray], config: MistralConfig, dtype: Any = None
-) -> Mistral:
+    state_dict: dict[str, np.ndarray], config: DecoderConfig, dtype: Any = None
+) -> Decoder:
     """Builds the model from a HuggingFace state dict.
 
     **Arguments:**
@@ -155,7 +155,7 @@ def from_hf_state_dict(
 
     **Returns:**
 
-    The [`Mistral`][] model. The layer count and every tensor's shape are checked against
+    The [`Decoder`][] model. The layer count and every tensor's shape are checked against
     `config` before any buffer is allocated: a state dict with more layers than `config` is
     refused too (as [`load_hf`][] refuses such a checkpoint), and so is one of bitsandbytes'
     quantised tensors.
@@ -199,7 +199,7 @@ def from_hf_state_dict(
     return _assemble(lambda name: np.asarray(state_dict[name]), config, dtype)
 
 
-def _hf_sources(model: Mistral) -> list[tuple[str, Array, int | None]]:
+def _hf_sources(model: Decoder) -> list[tuple[str, Array, int | None]]:
     """Every HF tensor of `model` as (name, array, layer index or None), in HF order.
 
     Layer tensors are referenced, not sliced, so that listing them copies nothing.
@@ -219,7 +219,7 @@ def _host_copy(array: Array, index: int | None) -> np.ndarray:
     return np.asarray(array if index is None else array[index])
 
 
-def to_hf_state_dict(model: Mistral) -> dict[str, np.ndarray]:
+def to_hf_state_dict(model: Decoder) -> dict[str, np.ndarray]:
     """The HuggingFace state dict of `model`: HF tensor names to numpy arrays (copies)."""
     return {name: _host_copy(array, index) for name, array, index in _hf_sources(model)}
 
@@ -234,7 +234,7 @@ def _require_weights(path: str) -> None:
 
 
 def _hf_name(path: Any, leaf: Any) -> str:
-    """The HF tensor name of a leaf of [`Mistral`][]: block leaves share HF's attribute names
+    """The HF tensor name of a leaf of [`Decoder`][]: block leaves share HF's attribute names
     (biases included); a tied model has no `lm_head` leaf."""
     del leaf
     key = jax.tree_util.keystr(path)
@@ -243,7 +243,7 @@ def _hf_name(path: Any, leaf: Any) -> str:
     return {".embed_tokens.weight": _EMBED, ".norm.weight": _NORM, ".lm_head.weight": _HEAD}[key]
 
 
-def abstract_model(config: MistralConfig, dtype: Any = None) -> Mistral:
+def abstract_model(config: DecoderConfig, dtype: Any = None) -> Decoder:
     """The model's structure with `jax.ShapeDtypeStruct` leaves: nothing is allocated.
 
     The same structure as `eqx.filter_eval_shape(init, config, ...)`, traced without
@@ -257,12 +257,12 @@ def abstract_model(config: MistralConfig, dtype: Any = None) -> Mistral:
     def block(key: Any) -> DecoderBlock:
         return make_block(config, key=key)
 
-    def build() -> Mistral:
+    def build() -> Decoder:
         # Inside the trace: creating the key runs nothing.
         keys = jax.random.split(jax.random.key(0), config.num_hidden_layers)
         layers = eqx.filter_vmap(block)(keys)
         matrix = jnp.zeros((config.vocab_size, config.hidden_size), dtype)
-        return Mistral(
+        return Decoder(
             embed_tokens=eqx.nn.Embedding(weight=matrix),
             layers=jax.tree.map(cast, layers),
             norm=RMSNorm(jnp.ones((config.hidden_size,), dtype), config.rms_norm_eps),
@@ -296,7 +296,7 @@ def _check_layer_count(
 
 
 def _check_shapes(
-    stored: Mapping[str, Any], path: str, config: MistralConfig, like: Mistral
+    stored: Mapping[str, Any], path: str, config: DecoderConfig, like: Decoder
 ) -> None:
     """`config.json` must give every tensor the shape the weights hold (after the layer count
     is checked: this lists every layer's names)."""
@@ -326,7 +326,7 @@ def load_hf(
     strict: bool = True,
     quantize: Any = None,
     file_backed: bool = False,
-) -> Mistral:
+) -> Decoder:
     """Loads a HuggingFace Mistral, Llama or Qwen2 checkpoint directory with
     [`eqx_lean.load_tensors`][].
 
@@ -377,7 +377,7 @@ def load_hf(
 
     **Returns:**
 
-    The [`Mistral`][] model.
+    The [`Decoder`][] model.
     """
     quant = quant_config(quantize)
     if isinstance(path, eqx_lean.Checkpoint):
@@ -396,7 +396,7 @@ def _load_opened(
     strict: bool,
     quant: QuantConfig | None = None,
     file_backed: bool = False,
-) -> Mistral:
+) -> Decoder:
     config_file = os.path.join(path, "config.json")
     try:
         raw = checkpoint.file("config.json")
@@ -464,12 +464,12 @@ def _load_opened(
     assert model.lm_head is not None
     if not bool(jnp.array_equal(model.lm_head.weight, model.embed_tokens.weight)):
         raise _untied_error(config_file)
-    return Mistral(model.embed_tokens, model.layers, model.norm, None, config)
+    return Decoder(model.embed_tokens, model.layers, model.norm, None, config)
 
 
 def _with_stored_dtype(
-    config: MistralConfig, stored: Mapping[str, Any], path: str, given: bool
-) -> MistralConfig:
+    config: DecoderConfig, stored: Mapping[str, Any], path: str, given: bool
+) -> DecoderConfig:
     """`config` in the dtype its weights are stored in, for a `config.json` that states none:
     what `transformers`' `from_pretrained` loads (its `dtype="auto"`), never a narrower one.
     Weights stored in several dtypes are refused unless the load is `given` its own."""
@@ -496,8 +496,8 @@ _GENERATION = "generation_config.json"
 
 
 def _with_generation_eos(
-    checkpoint: eqx_lean.Checkpoint, path: str, config: MistralConfig
-) -> MistralConfig:
+    checkpoint: eqx_lean.Checkpoint, path: str, config: DecoderConfig
+) -> DecoderConfig:
     """`config` with `generation_config.json`'s `eos_token_id`, if the checkpoint has that file
     (as `transformers`, whose `generate` reads the generation config, not `config.json`), each
     id checked to be a token of the vocabulary, and the file's text (which `save_hf` keeps)."""
@@ -533,7 +533,7 @@ def _with_generation_eos(
     )
 
 
-def _generation_file(config: MistralConfig, path: str | os.PathLike) -> bytes:
+def _generation_file(config: DecoderConfig, path: str | os.PathLike) -> bytes:
     """`generation_config.json` for a model of `config` saved to `path`: the file the model's
     checkpoint had (else the one `path` holds), byte for byte, while the model's stop ids are
     the ones it gives; else that file with the model's stop ids in `eos_token_id`, its other
@@ -574,7 +574,7 @@ def _existing_generation_text(path: str | os.PathLike) -> str | None:
 
 
 def save_hf(
-    model: Mistral,
+    model: Decoder,
     path: str | os.PathLike,
     *,
     max_shard_bytes: int = 2 * 2**30,
@@ -612,7 +612,7 @@ def save_hf(
 
     **Arguments:**
 
-    - `model`: the [`Mistral`][] model.
+    - `model`: the [`Decoder`][] model.
     - `path`: the directory to write (created if needed).
     - `max_shard_bytes`: the largest shard size (a single larger tensor gets its own shard).
     - `other_weights`: what to do with weight files in `path` that this save does not write

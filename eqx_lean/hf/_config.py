@@ -13,14 +13,14 @@ from ._rope import Llama3Rope
 
 
 @dataclasses.dataclass(frozen=True)
-class MistralConfig:
+class DecoderConfig:
     """The shape and numerics of a decoder of the Mistral, Llama or Qwen2 family, with
     HuggingFace's field names (`DecoderConfig` is the same class).
 
-    The defaults are Mistral-7B-v0.1. Use [`MistralConfig.from_hf`][] to read a checkpoint's
+    The defaults are Mistral-7B-v0.1. Use [`DecoderConfig.from_hf`][] to read a checkpoint's
     `config.json` (both the transformers<5 form, with `rope_theta` and `torch_dtype` at the top
     level, and the transformers-5 form, with a `rope_parameters` dict and `dtype`), and the
-    presets [`MistralConfig.v0_1`][] and [`MistralConfig.v0_3`][] for the released shapes.
+    presets [`DecoderConfig.v0_1`][] and [`DecoderConfig.v0_3`][] for the released shapes.
 
     `head_dim` may differ from `hidden_size // num_attention_heads`; `None` means that quotient.
     `sliding_window=None` means full causal attention; otherwise a query attends to the
@@ -199,17 +199,17 @@ class MistralConfig:
         return self.head_dim
 
     @classmethod
-    def v0_1(cls) -> "MistralConfig":
+    def v0_1(cls) -> "DecoderConfig":
         """Mistral-7B-v0.1: sliding window 4096, vocabulary 32000, rope theta 1e4."""
         return cls()
 
     @classmethod
-    def v0_3(cls) -> "MistralConfig":
+    def v0_3(cls) -> "DecoderConfig":
         """Mistral-7B-v0.3: no sliding window, vocabulary 32768, rope theta 1e6."""
         return cls(vocab_size=32768, rope_theta=1e6, sliding_window=None)
 
     @classmethod
-    def tiny(cls) -> "MistralConfig":
+    def tiny(cls) -> "DecoderConfig":
         """A 2-layer, width-128 Mistral over bytes (vocabulary 256: no tokenizer needed), window
         32, float32: 1.8 MiB of weights, for trying every command in seconds."""
         return cls(
@@ -225,7 +225,7 @@ class MistralConfig:
         )
 
     @classmethod
-    def preset(cls, name: str) -> "MistralConfig":
+    def preset(cls, name: str) -> "DecoderConfig":
         """A shape by name: `"v0.1"` or `"v0.3"` (released), or `"tiny"`."""
         presets = {"v0.1": cls.v0_1, "v0.3": cls.v0_3, "tiny": cls.tiny}
         if name not in presets:
@@ -233,7 +233,7 @@ class MistralConfig:
         return presets[name]()
 
     @classmethod
-    def from_hf(cls, hf: dict[str, Any]) -> "MistralConfig":
+    def from_hf(cls, hf: dict[str, Any]) -> "DecoderConfig":
         """Reads a HuggingFace config dictionary (the contents of `config.json`).
 
         **Arguments:**
@@ -249,13 +249,13 @@ class MistralConfig:
 
         **Returns:**
 
-        The `MistralConfig` (alias `DecoderConfig`). Fields that change no numerics (cache
+        The `DecoderConfig` (alias `DecoderConfig`). Fields that change no numerics (cache
         flags) are ignored.
         """
         return cls(**read_family(hf))
 
     @classmethod
-    def from_json(cls, path: str | os.PathLike) -> "MistralConfig":
+    def from_json(cls, path: str | os.PathLike) -> "DecoderConfig":
         """Reads `config.json`, or `path/config.json` if `path` is a directory."""
         if os.path.isdir(path):
             path = os.path.join(path, "config.json")
@@ -263,7 +263,7 @@ class MistralConfig:
             return cls.from_json_bytes(f.read(), os.fspath(path))
 
     @classmethod
-    def from_json_bytes(cls, raw: bytes, path: str) -> "MistralConfig":
+    def from_json_bytes(cls, raw: bytes, path: str) -> "DecoderConfig":
         """Reads the content of a `config.json` file; `path` names it in messages.
 
         **Arguments:**
@@ -273,7 +273,7 @@ class MistralConfig:
 
         **Returns:**
 
-        The `MistralConfig`, as [`MistralConfig.from_hf`][] reads it.
+        The `DecoderConfig`, as [`DecoderConfig.from_hf`][] reads it.
         """
         return config_from_file(parse_config_json(raw, path), path)
 
@@ -282,7 +282,9 @@ class MistralConfig:
         return write_family(self)
 
 
-DecoderConfig = MistralConfig
+# The name before issue 45, kept so that pickles naming `_config.MistralConfig` still load;
+# the public deprecated alias is `eqx_lean.hf.MistralConfig`, which warns.
+MistralConfig = DecoderConfig
 
 
 def _token_ids(value: Any, what: str) -> int | tuple[int, ...] | None:
@@ -336,10 +338,10 @@ def parse_config_json(raw: bytes, path: str) -> dict[str, Any]:
     return hf
 
 
-def config_from_file(hf: dict[str, Any], path: str) -> MistralConfig:
-    """[`MistralConfig.from_hf`][] of the dictionary read from the file `path`, whose name
+def config_from_file(hf: dict[str, Any], path: str) -> DecoderConfig:
+    """[`DecoderConfig.from_hf`][] of the dictionary read from the file `path`, whose name
     starts every message."""
     try:
-        return MistralConfig.from_hf(hf)
+        return DecoderConfig.from_hf(hf)
     except (ValueError, TypeError) as e:
         raise type(e)(f"{path} is not a config eqx_lean.hf reads: {e}") from e

@@ -32,7 +32,7 @@ from .._core.sharding import explicit_type_sharding, like_last_axis, resharded_l
 from .._product import linear_product
 from ..nn import attention as blockwise_attention, positionwise
 from ..nn._positionwise import chunk_positions
-from ._config import MistralConfig
+from ._config import DecoderConfig
 from ._rope import (
     apply_rotary,
     attention_mask as attention_mask,
@@ -297,7 +297,7 @@ decoder call's `mlp_chunk_bytes` is `None`: 256 MiB, on every platform. Planned 
 positions) hold a layer's working set in the backward pass to 12 GiB, 26 GiB unchunked."""
 
 
-def _mlp_chunk(config: MistralConfig, x: Array, chunk_bytes: int | None) -> int | None:
+def _mlp_chunk(config: DecoderConfig, x: Array, chunk_bytes: int | None) -> int | None:
     """The positions per chunk of each layer's MLP on `x` (`[batch, seq, hidden]`), keeping
     `[batch, chunk, intermediate]` within `chunk_bytes`; `None` where the whole sequence does."""
     chunk_bytes = arguments.optional_integer(chunk_bytes, "`mlp_chunk_bytes`", minimum=1)
@@ -332,7 +332,7 @@ class KVCache(eqx.Module):
     @classmethod
     def empty(
         cls,
-        config: MistralConfig,
+        config: DecoderConfig,
         batch_size: int,
         size: int,
         dtype: Any,
@@ -358,8 +358,8 @@ class KVCache(eqx.Module):
 
         The empty [`KVCache`][].
         """
-        if not isinstance(config, MistralConfig):
-            raise TypeError(f"`config` must be a MistralConfig; got {type(config).__name__}.")
+        if not isinstance(config, DecoderConfig):
+            raise TypeError(f"`config` must be a DecoderConfig; got {type(config).__name__}.")
         batch_size = arguments.integer(batch_size, "`batch_size`", minimum=1)
         # Slot positions are int32, and a cache holds every slot of every layer at once.
         size = arguments.integer(size, "`size`", minimum=1, maximum=_INT32_MAX)
@@ -415,22 +415,22 @@ class KVCache(eqx.Module):
         )
 
 
-class Mistral(eqx.Module):
-    """A decoder (Mistral, Llama or Qwen2; `Decoder` is the same class): token embedding,
+class Decoder(eqx.Module):
+    """A decoder of any family `eqx_lean.hf` reads: token embedding,
     stacked decoder blocks, final RMSNorm, LM head.
 
     `layers` is a single [`DecoderBlock`][] whose array leaves carry a leading layer axis (as
     built by [`eqx_lean.build_stacked`][]). `lm_head` is `None` when the config ties the head
     to the embedding (`tie_word_embeddings`): the embedding matrix is then the head. Call the
     model on `input_ids` of shape `[batch, seq]` for logits `[batch, seq, vocab]`; use
-    [`Mistral.step`][] with a [`KVCache`][] for incremental decoding.
+    [`Decoder.step`][] with a [`KVCache`][] for incremental decoding.
     """
 
     embed_tokens: eqx.nn.Embedding
     layers: DecoderBlock
     norm: RMSNorm
     lm_head: eqx.nn.Linear | None
-    config: MistralConfig = eqx.field(static=True)
+    config: DecoderConfig = eqx.field(static=True)
 
     @property
     def dtype(self) -> Any:
@@ -646,7 +646,7 @@ def _linear(
     return linear
 
 
-def _rms_norm(config: MistralConfig, norm_std: float, *, key: PRNGKeyArray) -> RMSNorm:
+def _rms_norm(config: DecoderConfig, norm_std: float, *, key: PRNGKeyArray) -> RMSNorm:
     weight = jnp.ones((config.hidden_size,), jnp.float32)
     if norm_std:
         weight = weight + _normal(key, (config.hidden_size,), norm_std)
@@ -654,7 +654,7 @@ def _rms_norm(config: MistralConfig, norm_std: float, *, key: PRNGKeyArray) -> R
 
 
 def make_block(
-    config: MistralConfig,
+    config: DecoderConfig,
     *,
     key: PRNGKeyArray,
     std: float | None = None,
@@ -707,7 +707,7 @@ class _BlockFactory:
     """`make_block` with its settings bound; equal by value, so that `build_stacked` reuses
     its compiled per-layer writes for every model of the same configuration."""
 
-    config: MistralConfig
+    config: DecoderConfig
     std: float | None
     norm_std: float
 
@@ -722,20 +722,20 @@ def _normal_matrix(key: PRNGKeyArray, shape: tuple[int, int], std: float, dtype:
     return _normal(key, shape, std).astype(dtype)
 
 
-def _resolve_dtype(config: MistralConfig, dtype: Any) -> Any:
+def _resolve_dtype(config: DecoderConfig, dtype: Any) -> Any:
     return jnp.dtype(config.dtype if dtype is None else dtype)
 
 
 def init(
-    config: MistralConfig,
+    config: DecoderConfig,
     *,
     key: PRNGKeyArray,
     dtype: Any = None,
     std: float | None = None,
     norm_std: float = 0.0,
     progress: bool = False,
-) -> Mistral:
-    """Builds a randomly initialised Mistral without ever holding it at float32.
+) -> Decoder:
+    """Builds a randomly initialised decoder without ever holding it at float32.
 
     The embedding, head and final norm are built first (each one's float32 temporaries are
     freed before the next), then the blocks with [`eqx_lean.build_stacked`][] one layer at a
@@ -751,7 +751,7 @@ def init(
 
     **Returns:**
 
-    The [`Mistral`][] model (its head tied to the embedding with `tie_word_embeddings`).
+    The [`Decoder`][] model (its head tied to the embedding with `tie_word_embeddings`).
     """
     dtype = _resolve_dtype(config, dtype)
     std = config.initializer_range if std is None else std
@@ -768,7 +768,7 @@ def init(
         dtype,
         progress=progress,
     )
-    return Mistral(
+    return Decoder(
         embed_tokens=eqx.nn.Embedding(weight=embed),
         layers=layers,
         norm=norm,
@@ -777,7 +777,9 @@ def init(
     )
 
 
-Decoder = Mistral
+# The name before issue 45, kept so that pickles naming `_model.Mistral` still load; the public
+# deprecated alias is `eqx_lean.hf.Mistral`, which warns.
+Mistral = Decoder
 
 
 def _linear_from_weight(weight: Float[Array, "out in"]) -> eqx.nn.Linear:

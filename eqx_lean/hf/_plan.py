@@ -13,7 +13,7 @@ from .. import _arguments as arguments, lora, memory
 from .._io.quantized import quant_config
 from .._memory.targets import Target, mesh_axes as checked_mesh_axes, resolve_target
 from ._checkpoint import abstract_model
-from ._config import MistralConfig
+from ._config import DecoderConfig
 from ._finetune import _abstract_lora_model, make_lora_step
 from ._train import adamw, next_token_loss
 
@@ -129,7 +129,7 @@ def _on_mesh(trees: Sequence[Any], mesh: Mesh) -> list[Any]:
 
 
 def plan_lora_step(
-    config: MistralConfig,
+    config: DecoderConfig,
     target: "memory.Target | str",
     *,
     batch_size: int,
@@ -143,7 +143,7 @@ def plan_lora_step(
     """XLA's per-device memory plan of one LoRA AdamW step (`make_lora_step`) on a target.
 
     ```python
-    config = eqx_lean.hf.MistralConfig.from_json("config.json")
+    config = eqx_lean.hf.DecoderConfig.from_json("config.json")
     print(eqx_lean.hf.plan_lora_step(config, "8xh100", batch_size=8, seq_len=1024))
     ```
 
@@ -189,7 +189,7 @@ def plan_lora_step(
 
 
 def plan_train_step(
-    config: MistralConfig,
+    config: DecoderConfig,
     target: "memory.Target | str",
     *,
     batch_size: int,
@@ -202,7 +202,7 @@ def plan_train_step(
     target: every weight trained, as [`eqx_lean.hf.make_train_step`][] trains them.
 
     ```python
-    config = eqx_lean.hf.MistralConfig.from_json("config.json")
+    config = eqx_lean.hf.DecoderConfig.from_json("config.json")
     print(eqx_lean.hf.plan_train_step(config, "8xh100", batch_size=8, seq_len=1024))
     ```
 
