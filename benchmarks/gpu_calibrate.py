@@ -240,7 +240,7 @@ def case_torch_peft(preset: str, spec: str, steps: int = 5) -> dict[str, Any]:
     from eqx_lean.hf import DecoderConfig
 
     ours = DecoderConfig.preset(preset)
-    config = transformers.DecoderConfig(**ours.to_hf())
+    config = transformers.MistralConfig(**ours.to_hf())
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
     start = time.perf_counter()

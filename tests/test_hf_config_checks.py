@@ -30,7 +30,7 @@ from eqx_lean.hf import (
     save_hf,
     to_hf_state_dict,
 )
-from eqx_lean.internal import inverse_frequencies
+from eqx_lean.internal import YarnRope, inverse_frequencies
 
 
 torch = pytest.importorskip("torch")
@@ -181,12 +181,12 @@ ROPE_FORMS: dict[str, tuple[str, dict[str, Any], str | None]] = {
     "empty rope_parameters, yarn rope_scaling": (
         "llama",
         {"rope_parameters": {}, "rope_scaling": {"type": "yarn", **YARN}},
-        "`rope_scaling` asks for rope_type 'yarn'",
+        None,
     ),
     "theta-only rope_parameters, yarn rope_scaling": (
         "llama",
         {"rope_parameters": {"rope_theta": 1e6}, "rope_scaling": {"rope_type": "yarn", **YARN}},
-        "`rope_scaling` asks for rope_type 'yarn'",
+        "`rope_parameters` and `rope_scaling` must describe the same",
     ),
     "default rope_parameters, linear rope_scaling": (
         "llama",
@@ -194,7 +194,48 @@ ROPE_FORMS: dict[str, tuple[str, dict[str, Any], str | None]] = {
             "rope_parameters": {"rope_type": "default"},
             "rope_scaling": {"type": "linear", "factor": 2.0},
         },
-        "`rope_scaling` asks for rope_type 'linear'",
+        "`rope_parameters` and `rope_scaling` must describe the same",
+    ),
+    "v5 linear": (
+        "llama",
+        {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5}},
+        None,
+    ),
+    "v4 linear as old type": (
+        "qwen2",
+        {"rope_theta": 1e4, "rope_scaling": {"type": "linear", "factor": 4.0}},
+        None,
+    ),
+    "v5 yarn": (
+        "llama",
+        {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, **YARN}},
+        None,
+    ),
+    "yarn, mscale and betas, not truncated": (
+        "llama",
+        {
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 1e4,
+                **YARN,
+                "mscale": 0.8,
+                "mscale_all_dim": 0.5,
+                "beta_fast": 16,
+                "beta_slow": 2,
+                "truncate": False,
+            }
+        },
+        None,
+    ),
+    "yarn with its attention factor": (
+        "qwen2",
+        {"rope_scaling": {"rope_type": "yarn", **YARN, "attention_factor": 1.5}},
+        None,
+    ),
+    "linear without a factor": (
+        "llama",
+        {"rope_parameters": {"rope_type": "linear"}},
+        "`rope_parameters.factor` must be a number above 0",
     ),
     "llama3 rope_parameters, rope_scaling without theta": (
         "llama",
@@ -292,7 +333,10 @@ def test_every_rope_form_is_computed_as_transformers_computes_it_or_refused(form
     ours = inverse_frequencies(config.resolved_head_dim, config.rope_theta, config.rope_scaling)
     inv_freq, attention_scaling = expected
     np.testing.assert_allclose(ours, inv_freq, rtol=1e-6)
-    assert attention_scaling == 1.0
+    scaling = config.rope_scaling
+    scale = scaling.scale if isinstance(scaling, YarnRope) else 1.0
+    np.testing.assert_allclose(scale, attention_scaling, rtol=1e-7)
+    assert scale != 1.0 or not isinstance(scaling, YarnRope)
 
 
 # --- the dtype of a config.json that states none ---------------------------------------------
@@ -347,7 +391,7 @@ def test_load_hf_takes_the_dtype_transformers_takes(
 def test_a_config_without_dtype_is_float32_as_in_transformers():
     fields = {"model_type": "mistral", **SHAPE}
     assert DecoderConfig.from_hf(fields).dtype == "float32"
-    built = transformers.AutoModelForCausalLM.from_config(transformers.DecoderConfig(**SHAPE))
+    built = transformers.AutoModelForCausalLM.from_config(transformers.MistralConfig(**SHAPE))
     assert built.dtype == torch.float32
     # Made by hand, the config keeps its documented Mistral-7B default.
     assert DecoderConfig().dtype == "bfloat16"

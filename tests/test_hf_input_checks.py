@@ -303,7 +303,7 @@ def test_a_real_bitsandbytes_checkpoint_stripped_of_its_quantization_config_is_r
     pytest.importorskip("bitsandbytes")
     base = tmp_path / "base"
     fields = CONFIG | {"intermediate_size": 64, "hidden_size": 64}
-    hf_config = transformers.DecoderConfig(**{k: v for k, v in fields.items() if k != "dtype"})
+    hf_config = transformers.MistralConfig(**{k: v for k, v in fields.items() if k != "dtype"})
     torch.manual_seed(0)
     transformers.MistralForCausalLM(hf_config).save_pretrained(base)
     settings = transformers.BitsAndBytesConfig(

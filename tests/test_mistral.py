@@ -38,7 +38,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
 
 def hf_model(seed: int = 0, **overrides):
     """A tiny random `MistralForCausalLM` with std-0.2 matrices and non-trivial norm weights."""
-    config = transformers.DecoderConfig(**overrides, rope_theta=10000.0)
+    config = transformers.MistralConfig(**overrides, rope_theta=10000.0)
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     return randomized(transformers.MistralForCausalLM(config))
@@ -95,7 +95,7 @@ def test_config_reads_old_and_transformers5_forms():
 
 
 def test_config_of_transformers_round_trips(tmp_path):
-    hf_config = transformers.DecoderConfig(**CONFIGS["head_dim"], rope_theta=5e5)
+    hf_config = transformers.MistralConfig(**CONFIGS["head_dim"], rope_theta=5e5)
     hf_config.save_pretrained(tmp_path)
     config = DecoderConfig.from_json(tmp_path)
     assert (config.head_dim, config.rope_theta, config.sliding_window) == (32, 5e5, 6)

@@ -21,7 +21,7 @@ SEQ_LEN = 16
 
 
 def hf_mistral():
-    config = transformers.DecoderConfig(
+    config = transformers.MistralConfig(
         vocab_size=96,
         hidden_size=32,
         intermediate_size=64,

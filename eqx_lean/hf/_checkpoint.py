@@ -64,6 +64,8 @@ _DIM_FIELDS: dict[str, tuple[tuple[str, ...], ...]] = {
     "embed_tokens.weight": (("vocab_size",), ("hidden_size",)),
     "lm_head.weight": (("vocab_size",), ("hidden_size",)),
     "norm.weight": (("hidden_size",),),
+    "q_norm.weight": (("head_dim",),),
+    "k_norm.weight": (("head_dim",),),
     "q_proj.weight": (_Q, ("hidden_size",)),
     "k_proj.weight": (_KV, ("hidden_size",)),
     "v_proj.weight": (_KV, ("hidden_size",)),
@@ -87,7 +89,9 @@ def _sized_by(
     """The config fields, with their values, that give tensor `name` a shape other than the
     one held: "`hidden_size`=16 gives", "`hidden_size`=16, `vocab_size`=8 give"."""
     end = ".".join(name.split(".")[-2:])
-    dims = _DIM_FIELDS.get("norm.weight" if end.endswith("norm.weight") else end)
+    dims = _DIM_FIELDS.get(end) or _DIM_FIELDS.get(
+        "norm.weight" if end.endswith("norm.weight") else end
+    )
     if dims is None or len(dims) != len(expected):
         return "sizes give"
     wrong = [i for i in range(len(expected)) if i >= len(held) or expected[i] != held[i]]
@@ -130,7 +134,14 @@ def _assemble(
     return jax.tree.unflatten(treedef, leaves)
 
 
-_FAMILY_NAMES = {"mistral": "Mistral", "llama": "Llama", "qwen2": "Qwen2"}
+_FAMILY_NAMES = {
+    "mistral": "Mistral",
+    "llama": "Llama",
+    "qwen2": "Qwen2",
+    "qwen3": "Qwen3",
+    "gemma2": "Gemma 2",
+    "gemma3_text": "Gemma 3",
+}
 
 
 def _untied_error(where: str) -> ValueError:
@@ -265,7 +276,11 @@ def abstract_model(config: DecoderConfig, dtype: Any = None) -> Decoder:
         return Decoder(
             embed_tokens=eqx.nn.Embedding(weight=matrix),
             layers=jax.tree.map(cast, layers),
-            norm=RMSNorm(jnp.ones((config.hidden_size,), dtype), config.rms_norm_eps),
+            norm=RMSNorm(
+                jnp.ones((config.hidden_size,), dtype),
+                config.rms_norm_eps,
+                bool(config.norm_unit_offset),
+            ),
             lm_head=None if config.tie_word_embeddings else _linear_from_weight(matrix),
             config=config,
         )
@@ -327,7 +342,8 @@ def load_hf(
     quantize: Any = None,
     file_backed: bool = False,
 ) -> Decoder:
-    """Loads a HuggingFace Mistral, Llama or Qwen2 checkpoint directory with
+    """Loads a HuggingFace checkpoint of a family `eqx_lean.hf` reads (Mistral, Llama, Qwen2,
+    Qwen3, Gemma 2, Gemma 3 as `Gemma3ForCausalLM`) with
     [`eqx_lean.load_tensors`][].
 
     Every tensor is copied from a memory map of its file straight into buffers allocated once

@@ -115,6 +115,7 @@ def next_token_loss(
             targets,
             bias=bias,
             ignore_index=IGNORE_INDEX,
+            logit_soft_cap=model.config.final_logit_softcapping,
             chunk_bytes=chunk_bytes,
             reduction=reduction,
         )
