@@ -280,7 +280,7 @@ def test_generate_stops_at_any_eos(tmp_path):
         ({"rope_scaling": {"type": "linear"}}, r"`rope_scaling\.factor` must be a number"),
         ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, r"rope_type 'dynamic'"),
         (
-            {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1.0, "factor": 0}},
+            {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 0}},
             r"`rope_parameters\.factor` must be a number above 0",
         ),
         ({"rope_scaling": {"rope_type": "longrope"}}, r"rope_type 'longrope'"),
