@@ -115,7 +115,8 @@ def _parser() -> argparse.ArgumentParser:
     lora = commands.add_parser(
         "lora",
         parents=[step],
-        help="plan a LoRA step of a Hugging Face decoder (Mistral, Llama, Qwen2)",
+        help="plan a LoRA step of a Hugging Face decoder (Mistral, Llama, Qwen2, Qwen3, Gemma 2, "
+        "Gemma 3)",
     )
     lora.add_argument("--rank", type=int, default=16, help="LoRA rank (default 16)")
     lora.add_argument(

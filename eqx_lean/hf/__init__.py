@@ -1,8 +1,9 @@
 """Hugging Face checkpoints as stacked Equinox models: load, save, generate and fine-tune.
 
-Its dependencies come with the `hf` extra. The decoder families and the config reading live in
-`_config.py` and `_model.py`, the checkpoint conversion in `_checkpoint.py`, LoRA with PEFT's
-format in `eqx_lean.lora`.
+Its dependencies come with the `hf` extra. One model, `Decoder`, configured by `DecoderConfig`,
+reads every family (Mistral, Llama, Qwen2, Qwen3, Gemma 2, Gemma 3): the families are specs in
+`_families.py`, the config in `_config.py`, the block in `_model.py`, the checkpoint conversion
+in `_checkpoint.py`, LoRA with PEFT's format in `eqx_lean.lora`.
 """
 
 import warnings

@@ -423,7 +423,7 @@ def generate(
         positions are overwritten, as the window never sees them). A size of at least
         `prompt + max_new_tokens` (or the window) is allowed; a smaller one is refused, since
         it would overwrite keys a layer still attends to: a model with any full-attention
-        layer (Qwen2's mixed `layer_types` included) needs the whole sequence, a
+        layer (mixed `layer_types`, as Qwen2's or Gemma's, included) needs the whole sequence, a
         sliding-window model its window.
     - `return_logits`: also return the logits each new token was chosen from (the program
         then holds `[batch, bucket - prompt, vocab]` of them, in the model's dtype).
