@@ -9,6 +9,7 @@ bite; Gemma 3 has local and global layers (its global rope `linear`-scaled) and 
 is longer than its window. One forward per family and attention kind is compiled.
 """
 
+import dataclasses
 import json
 import pathlib
 import shutil
@@ -21,7 +22,16 @@ import numpy as np
 import pytest
 from test_mistral import hf_logits, max_diff
 
-from eqx_lean.hf import DecoderConfig, generate, load_adapters, load_hf, save_adapters, save_hf
+from eqx_lean.hf import (
+    Decoder,
+    DecoderConfig,
+    generate,
+    load_adapters,
+    load_hf,
+    next_token_loss,
+    save_adapters,
+    save_hf,
+)
 from eqx_lean.internal import LinearRope
 from eqx_lean.lora import LoraConfig, LoraLinear, add_lora
 
@@ -155,9 +165,9 @@ def randomized(model, gemma: bool):
     return model.eval()
 
 
-def hf_model(family: str, seed: int = 0):
+def hf_model(family: str, seed: int = 0, **overrides):
     class_name, fields, _ = FAMILIES[family]
-    config = getattr(transformers, class_name)(**fields)
+    config = getattr(transformers, class_name)(**(fields | overrides))
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     made = transformers.AutoModelForCausalLM.from_config(config)
@@ -212,6 +222,35 @@ def test_logits_match_transformers_in_both_config_forms(checkpoints, family):
     assert max_diff(forward(old, jnp.asarray(ids), "blockwise"), expected) < 2e-5
 
 
+# The other head (and biases, windows) of each family: its tied or untied variant.
+VARIANTS: dict[str, dict[str, Any]] = {
+    "qwen3": dict(
+        tie_word_embeddings=True,
+        use_sliding_window=True,
+        sliding_window=WINDOW,
+        max_window_layers=1,
+    ),
+    "gemma2": dict(tie_word_embeddings=False, attention_bias=True),
+    "gemma3": dict(tie_word_embeddings=True, attention_bias=False),
+}
+
+
+@pytest.mark.parametrize("family", list(VARIANTS))
+def test_the_other_head_matches_transformers(family, tmp_path):
+    hf = hf_model(family, seed=4, **VARIANTS[family])
+    hf.save_pretrained(tmp_path / "hf")
+    model = load_hf(tmp_path / "hf")
+    assert (model.lm_head is None) == VARIANTS[family]["tie_word_embeddings"]
+    if family == "qwen3":
+        assert model.config.layer_windows == (None, WINDOW, WINDOW)
+    ids = tokens(6)
+    expected = hf_logits(hf, ids)
+    for attention in ("eager", "blockwise"):
+        assert max_diff(forward(model, jnp.asarray(ids), attention), expected) < 2e-5
+    save_hf(model, tmp_path / "ours")
+    assert max_diff(hf_logits(from_pretrained(tmp_path / "ours"), ids), expected) < 1e-6
+
+
 def test_family_options_as_read(checkpoints):
     qwen3, gemma2, gemma3 = (checkpoints[f].model.config for f in FAMILIES)
     assert qwen3.qk_norm and not qwen3.post_norms and qwen3.hidden_act == "silu"
@@ -247,6 +286,23 @@ def test_greedy_generation_picks_the_argmax_of_transformers_forward(checkpoints,
     for step in range(5, out.shape[1]):
         logits = hf_logits(checkpoint.hf, out[:, :step])[0, -1]
         assert out[0, step] == int(np.argmax(logits)), f"step {step - 5}"
+
+
+def test_gemma2_loss_with_its_final_soft_cap_matches_transformers(checkpoints):
+    """The fused loss caps each chunk of logits as the model caps them: both paths give
+    transformers' loss (its `labels`), and the cap matters to it."""
+    checkpoint = checkpoints["gemma2"]
+    ids = tokens(7)
+    with torch.no_grad():
+        tensor = torch.from_numpy(ids.astype(np.int64))
+        expected = float(checkpoint.hf(tensor, labels=tensor).loss)
+    loss = eqx.filter_jit(lambda model, ids, fused: next_token_loss(model, ids, fused=fused))
+    for fused in (True, False):
+        assert abs(float(loss(checkpoint.model, jnp.asarray(ids), fused)) - expected) < 1e-5
+    uncapped = dataclasses.replace(checkpoint.model.config, final_logit_softcapping=None)
+    capped = checkpoint.model
+    model = Decoder(capped.embed_tokens, capped.layers, capped.norm, capped.lm_head, uncapped)
+    assert abs(float(loss(model, jnp.asarray(ids), True)) - expected) > 1e-2
 
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
