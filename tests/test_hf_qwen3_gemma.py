@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import safetensors.numpy
 from test_mistral import hf_logits, max_diff
 
 from eqx_lean.hf import (
@@ -341,15 +342,64 @@ def test_peft_adapters_both_ways(checkpoints, family, tmp_path):
     assert max_diff(expected, hf_logits(checkpoint.hf, ids)) > 1e-2
 
 
-def test_gemma3_conditional_generation_is_refused_by_name():
-    text = dict(FAMILIES["gemma3"][2])
-    hf = {
-        "model_type": "gemma3",
-        "architectures": ["Gemma3ForConditionalGeneration"],
-        "text_config": text,
+def test_gemma3_conditional_generation_is_read_as_its_text_tower(tmp_path):
+    """A `Gemma3ForConditionalGeneration` (Gemma 3 4B-27B as released) loads as its text tower:
+    logits of its text-only forward, its tensors under either prefix, its vision tower's
+    ignored and anything else refused; it saves as the `Gemma3ForCausalLM` it is."""
+    text = FAMILIES["gemma3"][1] | dict(tie_word_embeddings=True, attention_bias=False)
+    vision = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=28,
+        patch_size=14,
+    )
+    config = transformers.Gemma3Config(
+        text_config=text,
+        vision_config=vision,
+        mm_tokens_per_image=4,
+        boi_token_index=120,
+        eoi_token_index=121,
+        image_token_index=122,
+    )
+    config._attn_implementation = "eager"
+    config.text_config._attn_implementation = "eager"
+    torch.manual_seed(5)
+    hf = randomized(transformers.Gemma3ForConditionalGeneration(config), gemma=True)
+    hf.save_pretrained(tmp_path / "hf")
+    stored = safetensors.numpy.load_file(tmp_path / "hf" / "model.safetensors")
+    assert "language_model.model.layers.0.self_attn.q_norm.weight" in stored  # the hub's names
+    hf_config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert DecoderConfig.from_hf(hf_config).model_type == "gemma3_text"
+    model = load_hf(tmp_path / "hf")
+    assert model.lm_head is None and model.config.layer_windows == (WINDOW, None, WINDOW)
+    ids = tokens(8)
+    expected = hf_logits(hf, ids)
+    for attention in ("eager", "blockwise"):
+        assert max_diff(forward(model, jnp.asarray(ids), attention), expected) < 2e-5
+    save_hf(model, tmp_path / "ours")
+    back = from_pretrained(tmp_path / "ours")
+    assert type(back).__name__ == "Gemma3ForCausalLM"
+    assert max_diff(hf_logits(back, ids), expected) < 1e-6
+    # transformers 5's in-memory names (`model.language_model.`), as some writers store them.
+    weights = tmp_path / "hf" / "model.safetensors"
+    renamed = {
+        name.replace("language_model.model.", "model.language_model.", 1)
+        if name.startswith("language_model.model.")
+        else "model." + name: value
+        for name, value in stored.items()
     }
-    with pytest.raises(ValueError, match=r"Gemma3ForConditionalGeneration.*'gemma3_text'"):
-        DecoderConfig.from_hf(hf)
+    safetensors.numpy.save_file(renamed, weights)
+    again = load_hf(tmp_path / "hf")
+    assert all(
+        np.array_equal(a, b)
+        for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(model), strict=True)
+    )
+    # A tensor neither tower has is refused.
+    safetensors.numpy.save_file(stored | {"text_head.weight": np.zeros(3, np.float32)}, weights)
+    with pytest.raises(ValueError, match=r"neither its text tower's .*'text_head\.weight'"):
+        load_hf(tmp_path / "hf")
 
 
 @pytest.mark.parametrize(

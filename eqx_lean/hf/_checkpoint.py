@@ -24,6 +24,7 @@ from ._config import DecoderConfig, config_from_file, parse_config_json
 from ._families import DTYPE_NAMES, declared_layers, stated_dtype
 from ._model import Decoder, DecoderBlock, RMSNorm, _linear_from_weight, _resolve_dtype, make_block
 from ._quantized import load_quantized, refuse_bitsandbytes, refuse_prequantized
+from ._tower import TowerNames, check_extras, is_multimodal, tower_prefix
 
 
 _EMBED, _NORM, _HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
@@ -33,11 +34,13 @@ def _layer_name(index: int | str, name: str) -> str:
     return f"model.layers.{index}.{name}"
 
 
-def _named_leaves(like: Decoder) -> list[tuple[str, Any]]:
-    """Every array leaf of `like` with its HF name (a template with `{i}` for a block leaf):
-    JAX and NumPy arrays and abstract `jax.ShapeDtypeStruct`s alike."""
+def _named_leaves(like: Decoder, names: Any = None) -> list[tuple[str, Any]]:
+    """Every array leaf of `like` with its HF name (a template with `{i}` for a block leaf),
+    by `names` (`None`: `_hf_name`): JAX and NumPy arrays and abstract
+    `jax.ShapeDtypeStruct`s alike."""
+    names = _hf_name if names is None else names
     return [
-        (_hf_name(path, leaf), leaf)
+        (names(path, leaf), leaf)
         for path, leaf in jax.tree_util.tree_leaves_with_path(like)
         if isinstance(leaf, jax.ShapeDtypeStruct) or eqx.is_array(leaf)
     ]
@@ -47,10 +50,11 @@ def _hf_names(config: DecoderConfig) -> list[str]:
     return _tensor_names(abstract_model(config))
 
 
-def _tensor_names(like: Decoder) -> list[str]:
-    """Every HF tensor name `like` has a leaf for, one per layer for a block leaf."""
+def _tensor_names(like: Decoder, name_of: Any = None) -> list[str]:
+    """Every HF tensor name `like` has a leaf for, one per layer for a block leaf (by
+    `name_of`, as for `_named_leaves`)."""
     names = []
-    for template, _ in _named_leaves(like):
+    for template, _ in _named_leaves(like, name_of):
         if "{i}" in template:
             names.extend(template.format(i=i) for i in range(like.config.num_hidden_layers))
         else:
@@ -292,12 +296,16 @@ _LAYER_PREFIX = "model.layers."
 
 
 def _check_layer_count(
-    expected: int | None, stored: Mapping[str, Any], path: str, strict: bool
+    expected: int | None,
+    stored: Mapping[str, Any],
+    path: str,
+    strict: bool,
+    prefix: str = _LAYER_PREFIX,
 ) -> None:
     """`config.json` must give the layer count the weights hold (`None`: it gives none a
-    config is built from, which building it reports)."""
+    config is built from, which building it reports), their names under `prefix`."""
     config_file = os.path.join(path, "config.json")
-    held = stored_layer_count(stored, _LAYER_PREFIX)
+    held = stored_layer_count(stored, prefix)
     if expected is not None and (held < expected or (strict and held > expected)):
         hint = (
             f"Fix config.json, or pass `strict=False` to load its first {expected} layers."
@@ -306,12 +314,16 @@ def _check_layer_count(
         )
         raise ValueError(
             f"{config_file} says num_hidden_layers={expected}, but the weights in {path} hold "
-            f"{held} layers ('{_LAYER_PREFIX}0.…' to '{_LAYER_PREFIX}{held - 1}.…'). {hint}"
+            f"{held} layers ('{prefix}0.…' to '{prefix}{held - 1}.…'). {hint}"
         )
 
 
 def _check_shapes(
-    stored: Mapping[str, Any], path: str, config: DecoderConfig, like: Decoder
+    stored: Mapping[str, Any],
+    path: str,
+    config: DecoderConfig,
+    like: Decoder,
+    name_of: Any = _hf_name,
 ) -> None:
     """`config.json` must give every tensor the shape the weights hold (after the layer count
     is checked: this lists every layer's names)."""
@@ -320,7 +332,7 @@ def _check_shapes(
     for leaf_path, leaf in jax.tree_util.tree_leaves_with_path(like):
         if not isinstance(leaf, jax.ShapeDtypeStruct):
             continue
-        template = _hf_name(leaf_path, leaf)
+        template = name_of(leaf_path, leaf)
         stacked = "{i}" in template
         shape = leaf.shape[1:] if stacked else leaf.shape
         for name in [template.format(i=i) for i in range(expected)] if stacked else [template]:
@@ -343,7 +355,8 @@ def load_hf(
     file_backed: bool = False,
 ) -> Decoder:
     """Loads a HuggingFace checkpoint of a family `eqx_lean.hf` reads (Mistral, Llama, Qwen2,
-    Qwen3, Gemma 2, Gemma 3 as `Gemma3ForCausalLM`) with
+    Qwen3, Gemma 2, Gemma 3; a `Gemma3ForConditionalGeneration` as its text tower, its vision
+    tower's tensors left unread) with
     [`eqx_lean.load_tensors`][].
 
     Every tensor is copied from a memory map of its file straight into buffers allocated once
@@ -429,22 +442,33 @@ def _load_opened(
     refuse_prequantized(raw, config_file)
     hf = parse_config_json(raw, config_file)
     stored = eqx_lean.checkpoint_tensors(checkpoint)  # headers only
+    # A Gemma3ForConditionalGeneration is read as its text tower, whose names are prefixed.
+    names: Any = _hf_name
+    prefix = _LAYER_PREFIX
+    if is_multimodal(hf):
+        names = TowerNames(tower_prefix(stored, config_file), _hf_name)
+        prefix = names.prefix + "layers."
     # Before the config is built: it may list one entry per layer (Qwen2's `layer_types`).
-    _check_layer_count(declared_layers(hf), stored, path, strict)
+    _check_layer_count(declared_layers(hf), stored, path, strict, prefix)
     config = config_from_file(hf, config_file)
     if stated_dtype(hf) is None:
-        config = _with_stored_dtype(config, stored, path, given=dtype is not None)
+        config = _with_stored_dtype(config, stored, path, dtype is not None, names)
     config = _with_generation_eos(checkpoint, path, config)
     dtype = _resolve_dtype(config, dtype)
     like = abstract_model(config, dtype)
     refuse_bitsandbytes(
         {name: jnp.dtype(struct.dtype).name for name, struct in stored.items()},
-        set(_tensor_names(like)),
+        set(_tensor_names(like, names)),
         f"the weights in {path} hold",
         config_file,
     )
-    _check_shapes(stored, path, config, like)
+    _check_shapes(stored, path, config, like, names)
     layers = None if strict else config.num_hidden_layers
+    if names is not _hf_name:
+        # The vision tower's tensors stay in the file: checked here, then loaded around.
+        if strict:
+            check_extras(stored, set(_tensor_names(like, names)) | {_HEAD}, config_file)
+        strict, layers = False, config.num_hidden_layers
     stored_head = _HEAD in stored
     if quant is not None:
         if config.tie_word_embeddings and stored_head:
@@ -452,14 +476,12 @@ def _load_opened(
                 f"{config_file} ties the head to the embeddings but the checkpoint stores a "
                 "head: load it without `quantize` (then `eqx_lean.quant.quantize_linears`)."
             )
-        return load_quantized(
-            checkpoint, like, _hf_name, quant, strict, layers, sharding, file_backed
-        )
+        return load_quantized(checkpoint, like, names, quant, strict, layers, sharding, file_backed)
     if not (config.tie_word_embeddings and stored_head):
         return eqx_lean.load_tensors(
             checkpoint,
             like,
-            _hf_name,
+            names,
             sharding=sharding,
             layers=layers,
             strict=strict,
@@ -471,7 +493,7 @@ def _load_opened(
     model = eqx_lean.load_tensors(
         checkpoint,
         abstract_model(untied, dtype),
-        _hf_name,
+        names,
         sharding=sharding,
         layers=layers,
         strict=strict,
@@ -484,15 +506,15 @@ def _load_opened(
 
 
 def _with_stored_dtype(
-    config: DecoderConfig, stored: Mapping[str, Any], path: str, given: bool
+    config: DecoderConfig, stored: Mapping[str, Any], path: str, given: bool, names: Any = None
 ) -> DecoderConfig:
     """`config` in the dtype its weights are stored in, for a `config.json` that states none:
     what `transformers`' `from_pretrained` loads (its `dtype="auto"`), never a narrower one.
     Weights stored in several dtypes are refused unless the load is `given` its own."""
-    names = set(_tensor_names(abstract_model(config))) | {_HEAD}
+    held = set(_tensor_names(abstract_model(config), names)) | {_HEAD}
     found: dict[str, str] = {}  # each floating dtype, with the first tensor stored in it
     for name, struct in stored.items():
-        if name in names and jnp.issubdtype(struct.dtype, jnp.floating):
+        if name in held and jnp.issubdtype(struct.dtype, jnp.floating):
             found.setdefault(jnp.dtype(struct.dtype).name, name)
     if len(found) == 1 and next(iter(found)) in DTYPE_NAMES:
         return dataclasses.replace(config, dtype=next(iter(found)))

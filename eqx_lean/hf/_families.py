@@ -15,6 +15,7 @@ from typing import Any
 
 from .. import _arguments as arguments
 from ._rope import read_layer_ropes, read_rope, rope_parameters
+from ._tower import is_multimodal, text_config
 
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
@@ -417,6 +418,10 @@ def declared_layers(hf: dict[str, Any]) -> int | None:
     """The layer count a `config.json` gives (its family's default when it gives none), read
     before the config is built: `None` when the file is not one a config is built from, which
     building it then reports."""
+    if is_multimodal(hf):
+        if not isinstance(hf.get("text_config", {}), dict):
+            return None  # building the config reports it
+        hf = text_config(hf)
     family = hf.get("model_type", "mistral")
     if not isinstance(family, str) or family not in FAMILIES:
         return None
@@ -429,16 +434,11 @@ def read_family(hf: dict[str, Any]) -> dict[str, Any]:
 
     A file without `model_type` is read as Mistral (as this library always has). A Gemma 3
     checkpoint with its vision tower (`Gemma3ForConditionalGeneration`, `model_type`
-    `"gemma3"`) is refused, naming the class.
+    `"gemma3"`) is read as its text tower (`text_config`), a `gemma3_text` model.
     """
+    if is_multimodal(hf):
+        hf = text_config(hf)
     family = hf.get("model_type", "mistral")
-    if family == "gemma3":
-        raise ValueError(
-            "`model_type` is 'gemma3': a Gemma3ForConditionalGeneration checkpoint (text and "
-            "vision towers; Gemma 3 4B, 12B and 27B ship so), whose text tower eqx_lean.hf "
-            "does not read yet. Gemma3ForCausalLM checkpoints (`model_type` 'gemma3_text', such "
-            "as Gemma 3 1B) are read."
-        )
     if not isinstance(family, str) or family not in FAMILIES:
         raise unknown_family(family)
     spec = FAMILIES[family]
