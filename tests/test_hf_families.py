@@ -312,6 +312,12 @@ def test_qwen2_layer_types_and_aliases():
     # A config pickled under the old name (its class's module path then) still loads.
     blob = pickle.dumps(DecoderConfig()).replace(b"DecoderConfig", b"MistralConfig")
     assert pickle.loads(blob) == DecoderConfig()
+    # One pickled before the block options existed: they are its family's.
+    options = ("hidden_act", "norm_unit_offset", "post_norms", "qk_norm", "scale_embeddings")
+    state = {k: v for k, v in vars(DecoderConfig()).items() if k not in options}
+    restored = DecoderConfig.__new__(DecoderConfig)
+    restored.__setstate__(state)
+    assert restored == DecoderConfig() and restored.hidden_act == "silu"
     with pytest.raises(AttributeError, match="has no attribute 'Mistral7B'"):
         eqx_lean.hf.Mistral7B  # noqa: B018
     with pytest.raises(ValueError, match=r"`layer_types` must give one of"):
