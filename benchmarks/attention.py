@@ -81,7 +81,7 @@ def kernel_case() -> None:
 def decoder_case() -> None:
     lora_config = lora.LoraConfig(r=16, lora_alpha=32, target_modules=ALL_SEVEN)
 
-    def build() -> hf.Mistral:
+    def build() -> hf.Decoder:
         base = hf.init(NARROW, key=jax.random.key(0))
         return lora.add_lora(base, lora_config, key=jax.random.key(1))
 

@@ -100,7 +100,7 @@ def loss_case() -> None:
             row(name + ", hidden only", *compiled(jax.grad(fused), *shapes))
 
 
-NARROW = hf.MistralConfig(
+NARROW = hf.DecoderConfig(
     vocab_size=128_256,
     hidden_size=256,
     intermediate_size=896,
@@ -118,7 +118,7 @@ def decoder_case() -> None:
     config = NARROW
     lora_config = lora.LoraConfig(r=16, lora_alpha=32, target_modules=ALL_SEVEN)
 
-    def build() -> hf.Mistral:
+    def build() -> hf.Decoder:
         base = hf.init(config, key=jax.random.key(0))
         return lora.add_lora(base, lora_config, key=jax.random.key(1))
 
@@ -140,7 +140,7 @@ def decoder_case() -> None:
             )
 
 
-LLAMA_8B = hf.MistralConfig(
+LLAMA_8B = hf.DecoderConfig(
     vocab_size=128_256,
     hidden_size=4096,
     intermediate_size=14_336,
@@ -239,7 +239,7 @@ def steptime_case() -> None:
     )
 
 
-LLAMA_1B = hf.MistralConfig(
+LLAMA_1B = hf.DecoderConfig(
     vocab_size=128_256,
     hidden_size=2048,
     intermediate_size=8192,

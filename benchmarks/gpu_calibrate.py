@@ -174,13 +174,13 @@ def case_lora(preset: str, spec: str, steps: int = 5) -> dict[str, Any]:
     import jax.numpy as jnp
 
     sys.path.insert(0, str(_REPO))
-    from eqx_lean.hf import MistralConfig, init, make_lora_step
+    from eqx_lean.hf import DecoderConfig, init, make_lora_step
     from eqx_lean.internal import LORA_TARGETS, tree_bytes
     from eqx_lean.lora import LoraConfig, add_lora, lora_filter
     from examples.mistral7b.train import adamw
 
     batch, seq = _shape(spec)
-    config = MistralConfig.preset(preset)
+    config = DecoderConfig.preset(preset)
     idle = _gpu_stats()
     start = time.perf_counter()
     model = init(config, key=jax.random.key(0), dtype=jnp.bfloat16)
@@ -237,9 +237,9 @@ def case_torch_peft(preset: str, spec: str, steps: int = 5) -> dict[str, Any]:
 
     batch, seq = _shape(spec)
     sys.path.insert(0, str(_REPO))
-    from eqx_lean.hf import MistralConfig
+    from eqx_lean.hf import DecoderConfig
 
-    ours = MistralConfig.preset(preset)
+    ours = DecoderConfig.preset(preset)
     config = transformers.MistralConfig(**ours.to_hf())
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)

@@ -78,7 +78,7 @@ SIZES = {
         num_attention_heads=16,
         num_key_value_heads=4,
     ),
-    "7b": {},  # MistralConfig's defaults are Mistral-7B-v0.1
+    "7b": {},  # DecoderConfig's defaults are Mistral-7B-v0.1
 }
 METHODS = ("eqx_lean", "safetensors_flax", "safetensors_numpy")
 SHARD_BYTES = 2 * GIB
@@ -98,9 +98,9 @@ def proc_status(pid: int | str = "self") -> dict[str, int]:
 def mistral_config(size: str):
     if str(REPO) not in sys.path:
         sys.path.append(str(REPO))  # after PYTHONPATH, which `--code` sets in the children
-    from eqx_lean.hf import MistralConfig
+    from eqx_lean.hf import DecoderConfig
 
-    return MistralConfig(**SIZES[size], dtype="bfloat16")
+    return DecoderConfig(**SIZES[size], dtype="bfloat16")
 
 
 def hf_tensors(config) -> list[tuple[str, tuple[int, ...]]]:

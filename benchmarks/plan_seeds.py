@@ -105,7 +105,7 @@ def replicated(tree: Any, mesh: Mesh) -> Any:
 
 # --- 1. Equinox seed: Mistral-7B's 32 blocks, built on one a100-40gb and on v4-8 ---------------
 
-MISTRAL = hf.MistralConfig()  # hidden 4096, intermediate 14336, 32 heads, 8 kv heads, 32 blocks
+MISTRAL = hf.DecoderConfig()  # hidden 4096, intermediate 14336, 32 heads, 8 kv heads, 32 blocks
 
 
 def _mistral_block(key: Any) -> hf.DecoderBlock:
@@ -278,7 +278,7 @@ def neox_train() -> None:
 
 # --- 4. Llama-3-70B-shaped LoRA step ------------------------------------------------------------
 
-LLAMA70 = hf.MistralConfig(
+LLAMA70 = hf.DecoderConfig(
     vocab_size=128256,
     hidden_size=8192,
     intermediate_size=28672,
@@ -299,7 +299,7 @@ def llama70b_lora() -> None:
     """make_lora_step's step, frozen base fsdp-sharded, rank 16 on all seven, 1x1024 tokens."""
     lora_config = lora.LoraConfig(r=16, lora_alpha=16, target_modules=ALL_SEVEN)
 
-    def build() -> hf.Mistral:
+    def build() -> hf.Decoder:
         base = hf.init(LLAMA70, key=jax.random.key(0), dtype=jnp.bfloat16)
         return lora.add_lora(base, lora_config, key=jax.random.key(1))
 

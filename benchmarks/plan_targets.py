@@ -40,11 +40,11 @@ def build_7b(spec):
 
     import eqx_lean
     from eqx_lean import memory
-    from eqx_lean.hf import MistralConfig, make_block
+    from eqx_lean.hf import DecoderConfig, make_block
 
     where = memory.target(spec)
     mesh = _mesh(where)
-    config = MistralConfig()
+    config = DecoderConfig()
     keys = jax.random.split(jax.random.key(0), config.num_hidden_layers)
     est = memory.estimate(
         lambda k: make_block(config, key=k), keys, jnp.bfloat16, eqx_lean.fsdp(mesh), mesh=mesh
@@ -121,13 +121,13 @@ def _lora_7b(where):
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from eqx_lean import lora
-    from eqx_lean.hf import MistralConfig, fsdp_shardings, lora_config_of_rank
+    from eqx_lean.hf import DecoderConfig, fsdp_shardings, lora_config_of_rank
     from eqx_lean.internal import abstract_lora_model
 
     mesh = _mesh(where)
     n = len(where.devices)
     model = eqx.filter_eval_shape(
-        abstract_lora_model, MistralConfig(), lora_config_of_rank(16), jnp.bfloat16
+        abstract_lora_model, DecoderConfig(), lora_config_of_rank(16), jnp.bfloat16
     )
     model = jax.tree.map(
         lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
@@ -151,10 +151,10 @@ def _make_loss(remat):
 
 def lora_7b(spec):
     from eqx_lean import memory
-    from eqx_lean.hf import MistralConfig, plan_lora_step
+    from eqx_lean.hf import DecoderConfig, plan_lora_step
 
     where = memory.target(spec)
-    plan = plan_lora_step(MistralConfig(), where, batch_size=len(where.devices), seq_len=256)
+    plan = plan_lora_step(DecoderConfig(), where, batch_size=len(where.devices), seq_len=256)
     print(plan)
     return plan.peak, plan.fits
 

@@ -427,7 +427,7 @@ TINY_BLOCK = GPTConfig(num_layers=3, dim=16, hidden=64, heads=2)
 SMALL_BLOCK = GPTConfig(num_layers=3, dim=32, hidden=128, heads=4)
 
 
-# The decoder shapes the HF-layer test files share (`eqx_lean.hf.MistralConfig` fields; a file
+# The decoder shapes the HF-layer test files share (`eqx_lean.hf.DecoderConfig` fields; a file
 # adds or replaces fields with `dict(TINY_DECODER, ...)`): a tiny decoder every fsdp test can
 # split over 8 devices, and a smaller one, in float32, for the config and load checks.
 TINY_DECODER: dict[str, Any] = dict(

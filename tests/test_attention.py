@@ -235,7 +235,7 @@ def test_the_decoder_refuses_an_unknown_attention():
     tests (windows shorter than their sequences, Qwen2's per-layer windows traced in the layer
     scan); `attention="eager"` is its reference. A name it does not know is refused before
     anything is traced."""
-    model = jax.eval_shape(lambda: hf.init(hf.MistralConfig.tiny(), key=jax.random.key(0)))
+    model = jax.eval_shape(lambda: hf.init(hf.DecoderConfig.tiny(), key=jax.random.key(0)))
     ids: Any = jax.ShapeDtypeStruct((1, 8), jnp.int32)
     with pytest.raises(ValueError, match='`attention` must be "blockwise" or "eager"'):
         model(ids, attention="flash")

@@ -103,9 +103,9 @@ def test_a_second_finetune_compiles_nothing(tmp_path):
 
     import jax
 
-    from eqx_lean.hf import MistralConfig, init, save_hf
+    from eqx_lean.hf import DecoderConfig, init, save_hf
 
-    tiny = MistralConfig.tiny()
+    tiny = DecoderConfig.tiny()
     config = dataclasses.replace(tiny, hidden_size=32, intermediate_size=64, vocab_size=256)
     save_hf(init(config, key=jax.random.key(0), std=0.2), tmp_path / "base")
     data = tmp_path / "data.txt"

@@ -31,7 +31,7 @@ pytestmark = pytest.mark.cpu_mesh
 
 # Qwen2's shape: q/k/v biases and a head tied to the embedding, so that a bias, a norm's weight
 # and the vocabulary rows are all split by `fsdp` beside a batch split over the same axis.
-CONFIG = hf.MistralConfig(
+CONFIG = hf.DecoderConfig(
     **dict(
         TINY_DECODER,
         model_type="qwen2",

@@ -485,10 +485,10 @@ def test_a_build_measured_after_an_estimate_in_one_process_reads_low():
 
 
 def test_mistral_readme_runs_a_tiny_path_first():
-    from eqx_lean.hf import MistralConfig
+    from eqx_lean.hf import DecoderConfig
     from examples.mistral7b.train import small_config
 
-    assert MistralConfig.preset("tiny") == MistralConfig.tiny() == small_config()
+    assert DecoderConfig.preset("tiny") == DecoderConfig.tiny() == small_config()
     page = "examples/mistral7b/README.md"
     text = (ROOT / page).read_text()
     tiny = text.index("## A tiny model end to end")
@@ -515,10 +515,10 @@ def test_a_shallow_full_width_build_s_embedding_draw_outweighs_the_model(monkeyp
     import jax
     import jax.numpy as jnp
 
-    from eqx_lean.hf import MistralConfig, init
+    from eqx_lean.hf import DecoderConfig, init
     from eqx_lean.internal import hf_model
 
-    config = dataclasses.replace(MistralConfig.v0_1(), num_hidden_layers=2)
+    config = dataclasses.replace(DecoderConfig.v0_1(), num_hidden_layers=2)
     draws = []
     draw = hf_model._normal_matrix
 

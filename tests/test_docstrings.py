@@ -416,8 +416,8 @@ def write_mistral(path: str, config: Config, files: dict[str, bytes] | None = No
     eqx_lean.save_tensors(path, model, mistral_names, files=files)
 
 
-def tiny_mistral_config() -> eqx_lean.hf.MistralConfig:
-    return eqx_lean.hf.MistralConfig(
+def tiny_mistral_config() -> eqx_lean.hf.DecoderConfig:
+    return eqx_lean.hf.DecoderConfig(
         vocab_size=64,
         hidden_size=32,
         intermediate_size=64,

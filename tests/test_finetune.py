@@ -19,9 +19,9 @@ import pytest
 from harness import assert_bitwise_equal, subprocess_env
 
 from eqx_lean.hf import (
+    DecoderConfig,
     FinetuneSettings,
     FinetuneState,
-    MistralConfig,
     adamw,
     finetune,
     init,
@@ -37,7 +37,7 @@ from eqx_lean.lora import LoraConfig, add_lora, lora_filter
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIG = dataclasses.replace(
-    MistralConfig.tiny(), hidden_size=32, intermediate_size=64, vocab_size=64, sliding_window=None
+    DecoderConfig.tiny(), hidden_size=32, intermediate_size=64, vocab_size=64, sliding_window=None
 )
 LORA = LoraConfig(r=4, lora_alpha=8, target_modules=("q_proj", "v_proj"))
 

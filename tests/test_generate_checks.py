@@ -20,9 +20,9 @@ import pytest
 from harness import MICRO_DECODER
 
 from eqx_lean.hf import (
+    Decoder,
+    DecoderConfig,
     KVCache,
-    Mistral,
-    MistralConfig,
     abstract_model,
     decode_step,
     generate,
@@ -39,7 +39,7 @@ TOP_K = r"`top_k` must be None or an integer from 1 to 32"
 PROMPT = 10  # away from every bucket edge: 10 + 5 and 10 + 40 are both in the bucket of 64
 
 
-def random_model(config: MistralConfig, seed: int = 0) -> Mistral:
+def random_model(config: DecoderConfig, seed: int = 0) -> Decoder:
     """A model of `config` with std-0.5 weights and norms around 1, drawn with NumPy into the
     abstract model's shapes: nothing to compile."""
     rng = np.random.default_rng(seed)
@@ -51,14 +51,14 @@ def random_model(config: MistralConfig, seed: int = 0) -> Mistral:
     return jax.tree_util.tree_map_with_path(draw, abstract_model(config))
 
 
-def with_config(model: Mistral, **fields: Any) -> Mistral:
+def with_config(model: Decoder, **fields: Any) -> Decoder:
     config = dataclasses.replace(model.config, **fields)
-    return Mistral(model.embed_tokens, model.layers, model.norm, model.lm_head, config)
+    return Decoder(model.embed_tokens, model.layers, model.norm, model.lm_head, config)
 
 
 @pytest.fixture(scope="module")
-def model() -> Mistral:
-    return random_model(MistralConfig(**MICRO_DECODER, eos_token_id=None))
+def model() -> Decoder:
+    return random_model(DecoderConfig(**MICRO_DECODER, eos_token_id=None))
 
 
 def prompt(batch: int = 2, length: int = PROMPT) -> np.ndarray:
@@ -246,7 +246,7 @@ def test_sample_checks_its_arguments():
 
 
 def test_kv_cache_sizes_are_checked():
-    config = MistralConfig(**MICRO_DECODER)
+    config = DecoderConfig(**MICRO_DECODER)
     with pytest.raises(
         TypeError, match=r"`size` must be an integer from 1 to 2147483647; got True"
     ):

@@ -22,7 +22,7 @@ import safetensors.numpy
 from harness import MICRO_DECODER
 
 from eqx_lean.hf import (
-    MistralConfig,
+    DecoderConfig,
     abstract_model,
     from_hf_state_dict,
     generate,
@@ -30,7 +30,7 @@ from eqx_lean.hf import (
     save_hf,
     to_hf_state_dict,
 )
-from eqx_lean.internal import inverse_frequencies
+from eqx_lean.internal import YarnRope, inverse_frequencies
 
 
 torch = pytest.importorskip("torch")
@@ -51,7 +51,7 @@ KINDS: dict[str, dict[str, Any]] = {
 PROMPT, NEW = 6, 6  # 12 positions: three windows of 4
 
 
-def random_model(config: MistralConfig, seed: int = 0) -> Any:
+def random_model(config: DecoderConfig, seed: int = 0) -> Any:
     """A model of `config` with std-0.5 weights and norms around 1, drawn with NumPy into the
     abstract model's shapes: nothing to compile."""
     rng = np.random.default_rng(seed)
@@ -65,7 +65,7 @@ def random_model(config: MistralConfig, seed: int = 0) -> Any:
 
 @pytest.fixture(scope="module")
 def models() -> dict[str, Any]:
-    return {kind: random_model(MistralConfig(**(TINY | fields))) for kind, fields in KINDS.items()}
+    return {kind: random_model(DecoderConfig(**(TINY | fields))) for kind, fields in KINDS.items()}
 
 
 def prompt() -> jax.Array:
@@ -181,12 +181,12 @@ ROPE_FORMS: dict[str, tuple[str, dict[str, Any], str | None]] = {
     "empty rope_parameters, yarn rope_scaling": (
         "llama",
         {"rope_parameters": {}, "rope_scaling": {"type": "yarn", **YARN}},
-        "`rope_scaling` asks for rope_type 'yarn'",
+        None,
     ),
     "theta-only rope_parameters, yarn rope_scaling": (
         "llama",
         {"rope_parameters": {"rope_theta": 1e6}, "rope_scaling": {"rope_type": "yarn", **YARN}},
-        "`rope_scaling` asks for rope_type 'yarn'",
+        "`rope_parameters` and `rope_scaling` must describe the same",
     ),
     "default rope_parameters, linear rope_scaling": (
         "llama",
@@ -194,7 +194,48 @@ ROPE_FORMS: dict[str, tuple[str, dict[str, Any], str | None]] = {
             "rope_parameters": {"rope_type": "default"},
             "rope_scaling": {"type": "linear", "factor": 2.0},
         },
-        "`rope_scaling` asks for rope_type 'linear'",
+        "`rope_parameters` and `rope_scaling` must describe the same",
+    ),
+    "v5 linear": (
+        "llama",
+        {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5}},
+        None,
+    ),
+    "v4 linear as old type": (
+        "qwen2",
+        {"rope_theta": 1e4, "rope_scaling": {"type": "linear", "factor": 4.0}},
+        None,
+    ),
+    "v5 yarn": (
+        "llama",
+        {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, **YARN}},
+        None,
+    ),
+    "yarn, mscale and betas, not truncated": (
+        "llama",
+        {
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 1e4,
+                **YARN,
+                "mscale": 0.8,
+                "mscale_all_dim": 0.5,
+                "beta_fast": 16,
+                "beta_slow": 2,
+                "truncate": False,
+            }
+        },
+        None,
+    ),
+    "yarn with its attention factor": (
+        "qwen2",
+        {"rope_scaling": {"rope_type": "yarn", **YARN, "attention_factor": 1.5}},
+        None,
+    ),
+    "linear without a factor": (
+        "llama",
+        {"rope_parameters": {"rope_type": "linear"}},
+        "`rope_parameters.factor` must be a number above 0",
     ),
     "llama3 rope_parameters, rope_scaling without theta": (
         "llama",
@@ -284,15 +325,18 @@ def test_every_rope_form_is_computed_as_transformers_computes_it_or_refused(form
     fields = SHAPE | fields
     if refusal is not None:
         with pytest.raises(ValueError, match=re.escape(refusal)):
-            MistralConfig.from_hf({"model_type": family, **fields})
+            DecoderConfig.from_hf({"model_type": family, **fields})
         return
     expected = transformers_rope(family, fields)
     assert expected is not None, "a form read here must be one transformers reads"
-    config = MistralConfig.from_hf({"model_type": family, **fields})
+    config = DecoderConfig.from_hf({"model_type": family, **fields})
     ours = inverse_frequencies(config.resolved_head_dim, config.rope_theta, config.rope_scaling)
     inv_freq, attention_scaling = expected
     np.testing.assert_allclose(ours, inv_freq, rtol=1e-6)
-    assert attention_scaling == 1.0
+    scaling = config.rope_scaling
+    scale = scaling.scale if isinstance(scaling, YarnRope) else 1.0
+    np.testing.assert_allclose(scale, attention_scaling, rtol=1e-7)
+    assert scale != 1.0 or not isinstance(scaling, YarnRope)
 
 
 # --- the dtype of a config.json that states none ---------------------------------------------
@@ -300,7 +344,7 @@ def test_every_rope_form_is_computed_as_transformers_computes_it_or_refused(form
 
 @pytest.fixture(scope="module")
 def float32_model():
-    return random_model(MistralConfig(**TINY), seed=1)
+    return random_model(DecoderConfig(**TINY), seed=1)
 
 
 def saved(path, model, **config_fields):
@@ -346,11 +390,11 @@ def test_load_hf_takes_the_dtype_transformers_takes(
 
 def test_a_config_without_dtype_is_float32_as_in_transformers():
     fields = {"model_type": "mistral", **SHAPE}
-    assert MistralConfig.from_hf(fields).dtype == "float32"
+    assert DecoderConfig.from_hf(fields).dtype == "float32"
     built = transformers.AutoModelForCausalLM.from_config(transformers.MistralConfig(**SHAPE))
     assert built.dtype == torch.float32
     # Made by hand, the config keeps its documented Mistral-7B default.
-    assert MistralConfig().dtype == "bfloat16"
+    assert DecoderConfig().dtype == "bfloat16"
 
 
 @pytest.mark.parametrize(
@@ -364,7 +408,7 @@ def test_a_config_without_dtype_is_float32_as_in_transformers():
 )
 def test_dtypes_transformers_would_not_read_are_refused(fields, message):
     with pytest.raises(ValueError, match=message):
-        MistralConfig.from_hf({"model_type": "mistral", **SHAPE, **fields})
+        DecoderConfig.from_hf({"model_type": "mistral", **SHAPE, **fields})
 
 
 def test_weights_in_several_dtypes_without_a_config_dtype_are_refused(tmp_path, float32_model):
@@ -414,7 +458,7 @@ def refused_at_once(seconds: float = 1.0, extra_bytes: int = 2**30):
 @pytest.fixture(scope="module")
 def qwen2_checkpoint(tmp_path_factory):
     fields: dict[str, Any] = {**TINY, **KINDS["mixed"], "layer_types": None, "sliding_window": None}
-    config = MistralConfig(**fields)
+    config = DecoderConfig(**fields)
     path = tmp_path_factory.mktemp("qwen2")
     save_hf(random_model(config, seed=2), path)
     return path
@@ -480,6 +524,6 @@ def test_a_size_of_a_terabyte_is_refused_from_the_headers(
 )
 def test_from_hf_state_dict_checks_every_size_before_allocating(float32_model, fields, message):
     state_dict = to_hf_state_dict(float32_model)
-    config = MistralConfig(**(TINY | fields))
+    config = DecoderConfig(**(TINY | fields))
     with pytest.raises(ValueError, match=message), refused_at_once():
         from_hf_state_dict(state_dict, config)

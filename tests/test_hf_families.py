@@ -14,8 +14,7 @@ import pytest
 import safetensors.numpy
 from test_mistral import hf_logits, max_diff, randomized
 
-from eqx_lean.hf import Mistral, MistralConfig, generate, init, load_hf, save_hf
-from eqx_lean.internal import Decoder, DecoderConfig
+from eqx_lean.hf import Decoder, DecoderConfig, generate, init, load_hf, save_hf
 
 
 torch = pytest.importorskip("torch")
@@ -219,7 +218,7 @@ def test_qwen2_released_form_has_no_window():
 
 
 def test_tied_checkpoint_with_a_stored_head(tmp_path):
-    model = init(MistralConfig.from_hf(FAMILIES["llama3"][2]), key=jax.random.key(0), std=0.2)
+    model = init(DecoderConfig.from_hf(FAMILIES["llama3"][2]), key=jax.random.key(0), std=0.2)
     assert model.lm_head is None
     save_hf(model, tmp_path)
     weights = tmp_path / "model.safetensors"
@@ -278,9 +277,12 @@ def test_generate_stops_at_any_eos(tmp_path):
         ({"hidden_act": "gelu"}, r"`hidden_act` must be 'silu'"),
         ({"attention_dropout": 0.1}, r"`attention_dropout` must be 0"),
         ({"pretraining_tp": 2}, r"`pretraining_tp` must be 1"),
-        ({"rope_scaling": {"type": "linear", "factor": 2.0}}, r"rope_type 'linear'"),
+        ({"rope_scaling": {"type": "linear"}}, r"`rope_scaling\.factor` must be a number"),
         ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, r"rope_type 'dynamic'"),
-        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1.0}}, r"rope_type 'yarn'"),
+        (
+            {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 0}},
+            r"`rope_parameters\.factor` must be a number above 0",
+        ),
         ({"rope_scaling": {"rope_type": "longrope"}}, r"rope_type 'longrope'"),
         ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, r"must give \['low_freq"),
         ({"partial_rotary_factor": 0.5}, r"`partial_rotary_factor` must be 1"),
@@ -291,13 +293,33 @@ def test_generate_stops_at_any_eos(tmp_path):
 def test_refusals_name_file_and_field(tmp_path, fields, message):
     (tmp_path / "config.json").write_text(json.dumps(FAMILIES["llama2"][2] | fields))
     with pytest.raises(ValueError, match=r"config\.json is not a config eqx_lean\.hf reads: "):
-        MistralConfig.from_json(tmp_path)
+        DecoderConfig.from_json(tmp_path)
     with pytest.raises(ValueError, match=message):
-        MistralConfig.from_json(tmp_path)
+        DecoderConfig.from_json(tmp_path)
 
 
 def test_qwen2_layer_types_and_aliases():
-    assert DecoderConfig is MistralConfig and Decoder is Mistral
+    import pickle
+
+    import eqx_lean.hf
+
+    # The names before `Decoder`: the same classes, reached with a warning.
+    with pytest.warns(DeprecationWarning, match=r"eqx_lean\.hf\.Mistral` is deprecated"):
+        assert eqx_lean.hf.Mistral is Decoder
+    with pytest.warns(DeprecationWarning, match=r"use `eqx_lean\.hf\.DecoderConfig`"):
+        old = eqx_lean.hf.MistralConfig
+    assert old is DecoderConfig and isinstance(DecoderConfig(), old)
+    # A config pickled under the old name (its class's module path then) still loads.
+    blob = pickle.dumps(DecoderConfig()).replace(b"DecoderConfig", b"MistralConfig")
+    assert pickle.loads(blob) == DecoderConfig()
+    # One pickled before the block options existed: they are its family's.
+    options = ("hidden_act", "norm_unit_offset", "post_norms", "qk_norm", "scale_embeddings")
+    state = {k: v for k, v in vars(DecoderConfig()).items() if k not in options}
+    restored = DecoderConfig.__new__(DecoderConfig)
+    restored.__setstate__(state)
+    assert restored == DecoderConfig() and restored.hidden_act == "silu"
+    with pytest.raises(AttributeError, match="has no attribute 'Mistral7B'"):
+        eqx_lean.hf.Mistral7B  # noqa: B018
     with pytest.raises(ValueError, match=r"`layer_types` must give one of"):
         DecoderConfig.from_hf(FAMILIES["qwen2"][2] | {"layer_types": ["full_attention"]})
     with pytest.raises(ValueError, match=r"\(attention_bias, o_proj_bias, mlp_bias\)"):

@@ -23,7 +23,7 @@ import pytest
 import safetensors.numpy
 from harness import MICRO_DECODER
 
-from eqx_lean.hf import MistralConfig, from_hf_state_dict, load_hf
+from eqx_lean.hf import DecoderConfig, from_hf_state_dict, load_hf
 from eqx_lean.internal import parse_adapter_config, to_peft
 from eqx_lean.lora import LoraConfig
 
@@ -34,7 +34,7 @@ CONFIG: dict[str, Any] = MICRO_DECODER
 def state_dict(layers: int | None = None, **fields: Any) -> dict[str, np.ndarray]:
     """The HF tensors of a Mistral of `CONFIG | fields` with `layers` layers (`None`: the
     config's), drawn with NumPy."""
-    c = MistralConfig(**(CONFIG | fields))
+    c = DecoderConfig(**(CONFIG | fields))
     d, f = c.hidden_size, c.intermediate_size
     q, kv = (
         heads * c.resolved_head_dim for heads in (c.num_attention_heads, c.num_key_value_heads)
@@ -65,7 +65,7 @@ def write_checkpoint(path: Path, tensors: dict[str, np.ndarray], **config: Any) 
     """A checkpoint directory of `tensors` and `CONFIG`'s config.json, its fields replaced by
     `config` (a `None` removes one)."""
     path.mkdir(parents=True, exist_ok=True)
-    hf = MistralConfig(**CONFIG).to_hf()
+    hf = DecoderConfig(**CONFIG).to_hf()
     for name, value in config.items():
         hf.pop(name, None)
         if value is not None:
@@ -212,22 +212,22 @@ def test_config_fields_of_the_wrong_type_or_range_are_refused_naming_field_and_f
     path = write_checkpoint(tmp_path, tensors, **fields)
     config_file = str(path / "config.json")
     refused(lambda: load_hf(path), config_file, field, shown)
-    refused(lambda: MistralConfig.from_json(path), config_file, field, shown)
+    refused(lambda: DecoderConfig.from_json(path), config_file, field, shown)
     assert compiles.count == 0
 
 
 def test_config_fields_made_by_hand_are_checked_and_made_canonical():
     made: dict[str, Any] = CONFIG | {"sliding_window": True}
     with pytest.raises(TypeError, match=r"`sliding_window` must be None or an integer of at least"):
-        MistralConfig(**made)
+        DecoderConfig(**made)
     made = CONFIG | {"rms_norm_eps": float("nan")}
     with pytest.raises(ValueError, match=r"`rms_norm_eps` must be a finite number above 0"):
-        MistralConfig(**made)
+        DecoderConfig(**made)
     made = CONFIG | {"vocab_size": np.int64(32), "rms_norm_eps": 1}
-    config = MistralConfig(**made)
+    config = DecoderConfig(**made)
     assert type(config.vocab_size) is int and type(config.rms_norm_eps) is float
     made = CONFIG | {"rms_norm_eps": 1.0}
-    assert config == MistralConfig(**made)
+    assert config == DecoderConfig(**made)
 
 
 # --- bitsandbytes-quantised tensors without a quantization_config -----------------------------
@@ -286,7 +286,7 @@ def test_bitsandbytes_tensors_without_quantization_config_are_refused_as_such(
         )
     else:
         refused(
-            lambda: from_hf_state_dict(quantised, MistralConfig(**CONFIG)),
+            lambda: from_hf_state_dict(quantised, DecoderConfig(**CONFIG)),
             "`state_dict` holds bitsandbytes-quantised tensors (",
             shown,
             "Pass the state dict of a full-precision model",
@@ -390,7 +390,7 @@ def test_an_index_entry_holding_a_nul_byte_is_refused_naming_index_and_entry(
 
 @pytest.mark.parametrize("held", [1, 3])
 def test_a_state_dict_whose_layer_count_is_not_the_configs_is_refused(compiles, held):
-    config = MistralConfig(**CONFIG)
+    config = DecoderConfig(**CONFIG)
     message = refused(
         lambda: from_hf_state_dict(state_dict(layers=held), config),
         f"`state_dict` must hold the {config.num_hidden_layers} layers "

@@ -938,10 +938,10 @@ def test_save_stacked_killed_at_spread_delays(tmp_path):
 
 
 def mistral_config(**overrides):
-    from eqx_lean.hf import MistralConfig
+    from eqx_lean.hf import DecoderConfig
 
     fields: dict[str, Any] = {**TINY_DECODER, "dtype": "float32", **overrides}
-    return MistralConfig(**fields)
+    return DecoderConfig(**fields)
 
 
 def random_mistral(config, seed: int):

@@ -200,7 +200,7 @@ def config_file(tmp_path):
     ],
 )
 def test_longest_context_checks_before_compiling(changed, error, words):
-    config = hf.MistralConfig(**TINY_DECODER)
+    config = hf.DecoderConfig(**TINY_DECODER)
     arguments = dict(batch_size=8) | changed  # the suite's CPU target has 8 devices
     with pytest.raises(error, match=words.replace("(", r"\(").replace(")", r"\)")):
         hf.longest_context(config, "cpu", **arguments)

@@ -12,8 +12,8 @@ from harness import TINY_DECODER
 
 import examples.mistral7b.train as train_module
 from eqx_lean.hf import (
+    DecoderConfig,
     KVCache,
-    MistralConfig,
     decode_step,
     from_hf_state_dict,
     generate,
@@ -74,7 +74,7 @@ def max_diff(a, b) -> float:
 @pytest.fixture(scope="module")
 def model():
     """A tiny random float32 model (window 5, non-trivial norms), built once for the module."""
-    config = MistralConfig(**CONFIGS["sliding_window"], dtype="float32")
+    config = DecoderConfig(**CONFIGS["sliding_window"], dtype="float32")
     return init(config, key=jax.random.key(0), std=0.2, norm_std=0.5)
 
 
@@ -88,39 +88,39 @@ def test_config_reads_old_and_transformers5_forms():
     old = dict(TINY, rope_theta=1e6, torch_dtype="bfloat16", sliding_window=4096)
     new = dict(TINY, rope_parameters={"rope_theta": 1e6, "rope_type": "default"}, dtype="bfloat16")
     new["sliding_window"] = 4096
-    assert MistralConfig.from_hf(old) == MistralConfig.from_hf(new)
-    config = MistralConfig.from_hf(new)
+    assert DecoderConfig.from_hf(old) == DecoderConfig.from_hf(new)
+    config = DecoderConfig.from_hf(new)
     assert (config.rope_theta, config.dtype, config.head_dim) == (1e6, "bfloat16", 16)
-    assert MistralConfig.from_hf(config.to_hf()) == config
+    assert DecoderConfig.from_hf(config.to_hf()) == config
 
 
 def test_config_of_transformers_round_trips(tmp_path):
     hf_config = transformers.MistralConfig(**CONFIGS["head_dim"], rope_theta=5e5)
     hf_config.save_pretrained(tmp_path)
-    config = MistralConfig.from_json(tmp_path)
+    config = DecoderConfig.from_json(tmp_path)
     assert (config.head_dim, config.rope_theta, config.sliding_window) == (32, 5e5, 6)
 
 
 def test_presets():
-    v01, v03 = MistralConfig.v0_1(), MistralConfig.v0_3()
+    v01, v03 = DecoderConfig.v0_1(), DecoderConfig.v0_3()
     assert (v01.sliding_window, v01.vocab_size, v01.rope_theta) == (4096, 32000, 1e4)
     assert (v03.sliding_window, v03.vocab_size, v03.rope_theta) == (None, 32768, 1e6)
     assert (v01.head_dim, v01.num_hidden_layers, v01.num_key_value_heads) == (128, 32, 8)
-    assert MistralConfig.preset("v0.3") == v03
-    tiny = MistralConfig.preset("tiny")
+    assert DecoderConfig.preset("v0.3") == v03
+    tiny = DecoderConfig.preset("tiny")
     assert (tiny.vocab_size, tiny.hidden_size, tiny.num_hidden_layers) == (256, 128, 2)
     assert (tiny.sliding_window, tiny.dtype) == (32, "float32")
 
 
 def test_config_errors():
     with pytest.raises(ValueError, match="multiple of `num_key_value_heads`"):
-        MistralConfig(**dict(TINY, num_key_value_heads=3))
+        DecoderConfig(**dict(TINY, num_key_value_heads=3))
     with pytest.raises(ValueError, match="`head_dim` must be a positive even"):
-        MistralConfig(**dict(TINY, head_dim=15))
+        DecoderConfig(**dict(TINY, head_dim=15))
     with pytest.raises(ValueError, match="tie_word_embeddings"):
-        MistralConfig.from_hf(dict(TINY, tie_word_embeddings=True))
+        DecoderConfig.from_hf(dict(TINY, tie_word_embeddings=True))
     with pytest.raises(ValueError, match="`name` must be one of"):
-        MistralConfig.preset("v9")
+        DecoderConfig.preset("v9")
 
 
 # --- forward parity ---------------------------------------------------------------------------
@@ -154,7 +154,7 @@ def test_bfloat16_logits_within_twice_transformers_own_error(tmp_path):
 def test_state_dict_round_trip():
     hf = hf_model(**CONFIGS["gqa"])
     state_dict = {name: value.numpy() for name, value in hf.state_dict().items()}
-    config = MistralConfig.from_hf(hf.config.to_dict())
+    config = DecoderConfig.from_hf(hf.config.to_dict())
     model = from_hf_state_dict(state_dict, config, jnp.float32)
     back = to_hf_state_dict(model)
     assert sorted(back) == sorted(state_dict)
@@ -165,7 +165,7 @@ def test_state_dict_round_trip():
 def test_state_dict_errors():
     hf = hf_model(**CONFIGS["gqa"])
     state_dict = {name: value.numpy() for name, value in hf.state_dict().items()}
-    config = MistralConfig.from_hf(hf.config.to_dict())
+    config = DecoderConfig.from_hf(hf.config.to_dict())
     with pytest.raises(KeyError, match="must hold every Mistral tensor"):
         from_hf_state_dict({k: v for k, v in state_dict.items() if "norm" not in k}, config)
     state_dict["model.layers.1.mlp.up_proj.weight"] = np.zeros((3, 3), np.float32)
@@ -197,7 +197,7 @@ def test_save_hf_writes_dtype(model, tmp_path):
 def test_load_hf_errors(tmp_path):
     with pytest.raises(FileNotFoundError):
         load_hf(tmp_path)
-    (tmp_path / "config.json").write_text(json.dumps(MistralConfig(**TINY).to_hf()))
+    (tmp_path / "config.json").write_text(json.dumps(DecoderConfig(**TINY).to_hf()))
     with pytest.raises(FileNotFoundError, match="must be a HF checkpoint directory"):
         load_hf(tmp_path)
 
@@ -217,7 +217,7 @@ def test_load_hf_places_every_leaf_with_the_given_sharding(model, tmp_path):
 
 
 def test_init_shapes_dtypes_and_std(model):
-    config = MistralConfig(**CONFIGS["head_dim"])
+    config = DecoderConfig(**CONFIGS["head_dim"])
     abstract = eqx.filter_eval_shape(init, config, key=jax.random.key(0), dtype=jnp.bfloat16)
     assert abstract.layers.self_attn.q_proj.weight.shape == (2, 4 * 32, 64)
     assert abstract.layers.self_attn.k_proj.weight.shape == (2, 32, 64)
@@ -326,7 +326,7 @@ def test_first_five_losses_match_transformers_and_torch_adamw():
         for name, param in hf.named_parameters():
             if "norm" not in name:
                 param.normal_(0.0, 0.05)
-    config = MistralConfig.from_hf(hf.config.to_dict())
+    config = DecoderConfig.from_hf(hf.config.to_dict())
     model = from_hf_state_dict(
         {name: value.numpy() for name, value in hf.state_dict().items()}, config, jnp.float32
     )

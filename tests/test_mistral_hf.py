@@ -1,6 +1,6 @@
 """`eqx_lean.hf.load_hf` (`eqx_lean/hf/_checkpoint.py`) refuses a checkpoint whose
 config does not describe its weights, and tensors it would not load; `strict=False` opts out.
-Also `MistralConfig.from_json`'s messages (`eqx_lean/hf/_config.py`)."""
+Also `DecoderConfig.from_json`'s messages (`eqx_lean/hf/_config.py`)."""
 
 import dataclasses
 import json
@@ -14,14 +14,14 @@ import pytest
 import safetensors.numpy
 from harness import MICRO_DECODER
 
-from eqx_lean.hf import MistralConfig, abstract_model, init, load_hf, save_hf
+from eqx_lean.hf import DecoderConfig, abstract_model, init, load_hf, save_hf
 
 
 TINY: dict[str, Any] = dict(MICRO_DECODER, num_hidden_layers=4)
 
 
 def checkpoint(path, **overrides):
-    config = MistralConfig(**(TINY | overrides))
+    config = DecoderConfig(**(TINY | overrides))
     model = init(config, key=jax.random.key(0), std=0.2, norm_std=0.5)
     save_hf(model, path)
     return model
@@ -41,7 +41,7 @@ def test_save_hf_writes_given_files_in_the_same_directory(tmp_path):
     # How `merge` carries the base's tokenizer files: copied from a path, or given as bytes.
     tokenizer = tmp_path / "base_tokenizer.json"
     tokenizer.write_text('{"model": "stand-in"}')
-    model = init(MistralConfig(**TINY), key=jax.random.key(0))
+    model = init(DecoderConfig(**TINY), key=jax.random.key(0))
     files = {"tokenizer.json": tokenizer, "generation_config.json": b"{}"}
     save_hf(model, tmp_path / "out", files=files)
     assert (tmp_path / "out" / "tokenizer.json").read_text() == '{"model": "stand-in"}'
@@ -128,21 +128,21 @@ def test_truncated_config_json_names_the_file(tmp_path):
     with pytest.raises(
         ValueError, match=r"config\.json .*\(the file is empty: was it truncated\?\)"
     ):
-        MistralConfig.from_json(tmp_path)
+        DecoderConfig.from_json(tmp_path)
     (tmp_path / "config.json").write_text("[1, 2]")
     with pytest.raises(ValueError, match=r"config\.json must hold a JSON object .*; got a list"):
-        MistralConfig.from_json(tmp_path)
+        DecoderConfig.from_json(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     with pytest.raises(
         ValueError,
         match=r"config\.json is not a config eqx_lean\.hf reads: .*'gpt2'.*eqx_lean\.load_tensors",
     ):
-        MistralConfig.from_json(tmp_path / "config.json")
+        DecoderConfig.from_json(tmp_path / "config.json")
 
 
 @pytest.mark.parametrize("dtype", [None, jnp.bfloat16])
 def test_abstract_model_is_the_abstract_init(dtype):
-    config = MistralConfig(**TINY)
+    config = DecoderConfig(**TINY)
     ours = abstract_model(config, dtype)
     reference = eqx.filter_eval_shape(init, config, key=jax.random.key(0), dtype=dtype)
     leaves, treedef = jax.tree_util.tree_flatten(ours)
@@ -160,7 +160,7 @@ def test_config_and_weights_come_from_one_save_when_a_save_lands_during_the_load
     # read apart from the weights would give the weights of one with the epsilon of the other.
     path = tmp_path / "checkpoint"
     checkpoint(path, rms_norm_eps=1e-5)
-    newer = init(MistralConfig(**TINY, rms_norm_eps=1e-3), key=jax.random.key(1))
+    newer = init(DecoderConfig(**TINY, rms_norm_eps=1e-3), key=jax.random.key(1))
     saved = when_load_files_are_open(lambda: save_hf(newer, path))
     loaded = load_hf(path)
     assert saved and loaded.config.rms_norm_eps == 1e-3

@@ -22,7 +22,7 @@ from test_mistral import CONFIGS, hf_logits, hf_model, max_diff, tokens
 
 import examples.mistral7b.train as train_module
 from eqx_lean.hf import (
-    MistralConfig,
+    DecoderConfig,
     abstract_model,
     generate,
     init,
@@ -112,7 +112,7 @@ def test_config_scale_targets_and_round_trip():
     assert LoraConfig(r=16, lora_alpha=32, use_rslora=True).scale == 8.0
     assert from_peft(to_peft(config)) == config
     all_linear = from_peft({"target_modules": "all-linear"})
-    model = abstract_model(MistralConfig(**CONFIGS["gqa"]))
+    model = abstract_model(DecoderConfig(**CONFIGS["gqa"]))
     with pytest.raises(ValueError, match="`target_modules` must name modules of `model`"):
         add_lora(model, LoraConfig(target_modules=("q",)), key=jax.random.key(0))
     adapted = lora_paths(add_lora(model, all_linear, key=jax.random.key(0)))
@@ -162,7 +162,7 @@ def test_unsupported_peft_fields_are_refused(field, value, tmp_path):
     with pytest.raises(ValueError, match=f"adapter config field `{field}`"):
         from_peft(config)
     (tmp_path / "adapter_config.json").write_text(json.dumps(config))
-    model = abstract_model(MistralConfig(**CONFIGS["gqa"]))  # refused before anything loads
+    model = abstract_model(DecoderConfig(**CONFIGS["gqa"]))  # refused before anything loads
     with pytest.raises(ValueError, match=f"`{field}`"):
         load_adapters(model, tmp_path)
 
@@ -170,7 +170,7 @@ def test_unsupported_peft_fields_are_refused(field, value, tmp_path):
 @pytest.mark.parametrize("targets", [["q_proj", "embed_tokens"], ["embed_tokens"], "embed.*"])
 def test_unknown_target_modules_are_refused(targets):
     config = from_peft(dict(to_peft(LoraConfig()), target_modules=targets))
-    model = abstract_model(MistralConfig(**CONFIGS["gqa"]))
+    model = abstract_model(DecoderConfig(**CONFIGS["gqa"]))
     with pytest.raises(ValueError, match="`target_modules` must"):
         add_lora(model, config, key=jax.random.key(0), names=hf_name)
 
@@ -485,7 +485,7 @@ def test_bfloat16_lora_logits_within_twice_peft_own_error(tmp_path):
 
 
 def test_step_memory_reports_the_adapters_and_their_optimizer_state():
-    config = MistralConfig(**CONFIGS["gqa"])
+    config = DecoderConfig(**CONFIGS["gqa"])
     lora_config = LoraConfig(r=4, target_modules=tuple(ALL))
     plan = step_memory(config, lora_config, batch_size=1, seq_len=16)
     per_layer = (
@@ -552,7 +552,7 @@ def test_adapter_config_and_weights_come_from_one_save_when_a_save_lands_during_
 ):
     # Two adapter saves of the same shapes but another `lora_alpha` and other matrices: a config
     # read apart from the weights would scale the matrices of one by the alpha of the other.
-    model = init(MistralConfig(**CONFIGS["head_dim"], dtype="float32"), key=jax.random.key(0))
+    model = init(DecoderConfig(**CONFIGS["head_dim"], dtype="float32"), key=jax.random.key(0))
     older = randomized(add_lora(model, LoraConfig(r=4, lora_alpha=8), key=jax.random.key(1)), 1)
     newer = randomized(add_lora(model, LoraConfig(r=4, lora_alpha=32), key=jax.random.key(2)), 2)
     path = tmp_path / "adapters"
@@ -572,7 +572,7 @@ def test_adapters_of_another_layer_count_are_refused_naming_both(
     tmp_path, saved_layers, model_layers
 ):
     def model_of(layers):
-        config = MistralConfig(**(CONFIGS["head_dim"] | {"num_hidden_layers": layers}))
+        config = DecoderConfig(**(CONFIGS["head_dim"] | {"num_hidden_layers": layers}))
         return init(config, key=jax.random.key(0))
 
     save_adapters(
@@ -588,7 +588,7 @@ def test_adapters_of_another_layer_count_are_refused_naming_both(
 
 
 def test_a_missing_adapter_config_is_named_with_or_without_the_weights(tmp_path):
-    model = init(MistralConfig(**CONFIGS["head_dim"]), key=jax.random.key(0))
+    model = init(DecoderConfig(**CONFIGS["head_dim"]), key=jax.random.key(0))
     save_adapters(add_lora(model, LoraConfig(r=2), key=jax.random.key(1)), tmp_path / "a")
     (tmp_path / "a" / "adapter_config.json").unlink()
     (tmp_path / "b").mkdir()

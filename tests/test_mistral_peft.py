@@ -20,7 +20,7 @@ import pytest
 from test_mistral import TINY, forward, hf_logits, hf_model, max_diff, tokens
 from test_mistral_lora import fresh_hf
 
-from eqx_lean.hf import MistralConfig, abstract_model, load_adapters, load_hf, save_hf
+from eqx_lean.hf import DecoderConfig, abstract_model, load_adapters, load_hf, save_hf
 from eqx_lean.internal import (
     LORA_TARGETS,
     PEFT_FIELDS,
@@ -95,7 +95,7 @@ def raw(config: dict) -> bytes:
 
 def abstract_base():
     """The base model's structure, nothing allocated: what a refused load needs."""
-    return abstract_model(MistralConfig(**SMALL))
+    return abstract_model(DecoderConfig(**SMALL))
 
 
 def refusal(config: dict, file: str = FILE) -> str:
@@ -240,7 +240,7 @@ TARGET_FORMS = [
 
 def adapted(targets) -> dict:
     config = from_peft(dict(to_peft(LoraConfig()), target_modules=targets))
-    base = abstract_model(MistralConfig(**dict(SMALL, num_hidden_layers=3)))
+    base = abstract_model(DecoderConfig(**dict(SMALL, num_hidden_layers=3)))
     model = add_lora(base, config, key=jax.random.key(0), names=hf_name)
     return {path: layer.layers for path, layer in lora_sites(model)}
 

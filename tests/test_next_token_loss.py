@@ -21,7 +21,7 @@ from test_mistral_lora import ALL, _our_grads, _torch_lora_grads, base_checkpoin
 import eqx_lean
 from eqx_lean.hf import (
     LAYER_INPUT,
-    MistralConfig,
+    DecoderConfig,
     init,
     load_adapters,
     load_hf,
@@ -134,7 +134,7 @@ def test_accumulated_lora_step_matches_transformers_num_items_in_batch(tmp_path)
 @pytest.fixture(scope="module")
 def tied():
     """A tiny float32 model whose head is its embedding, built once for the module."""
-    config = MistralConfig(**TINY_DECODER, tie_word_embeddings=True, dtype="float32")
+    config = DecoderConfig(**TINY_DECODER, tie_word_embeddings=True, dtype="float32")
     return init(config, key=jax.random.key(3), std=0.2, norm_std=0.5)
 
 

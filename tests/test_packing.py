@@ -92,7 +92,7 @@ def test_a_packed_row_equals_transformers_on_each_document_alone(tmp_path):
 
 
 def test_packed_arguments_are_checked():
-    model = jax.eval_shape(lambda: hf.init(hf.MistralConfig.tiny(), key=jax.random.key(0)))
+    model = jax.eval_shape(lambda: hf.init(hf.DecoderConfig.tiny(), key=jax.random.key(0)))
     ids = jnp.zeros((1, 8), jnp.int32)
     with pytest.raises(ValueError, match="must be given together"):
         model(ids, segment_ids=ids)

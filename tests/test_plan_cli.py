@@ -24,7 +24,7 @@ from harness import TINY_DECODER, subprocess_env
 
 import eqx_lean
 from eqx_lean.hf import (
-    MistralConfig,
+    DecoderConfig,
     lora_config_of_rank,
     plan_lora_step,
     plan_train_step,
@@ -320,7 +320,7 @@ STEP_REFUSALS = [
 def test_step_plans_refuse_bad_sizes_and_axes(planner, changed, error, expected, compiles):
     arguments: dict[str, Any] = dict(batch_size=8, seq_len=8) | changed
     with pytest.raises(error) as refused:
-        planner(MistralConfig(**TINY_DECODER), "cpu", **arguments)
+        planner(DecoderConfig(**TINY_DECODER), "cpu", **arguments)
     assert expected in str(refused.value)
     assert compiles.count == 0
 
@@ -336,7 +336,7 @@ def test_step_plans_refuse_bad_sizes_and_axes(planner, changed, error, expected,
 def test_step_memory_refuses_bad_sizes(changed, error, expected, compiles):
     arguments: dict[str, Any] = dict(batch_size=2, seq_len=8) | changed
     with pytest.raises(error) as refused:
-        step_memory(MistralConfig(**TINY_DECODER), lora_config_of_rank(RANK), **arguments)
+        step_memory(DecoderConfig(**TINY_DECODER), lora_config_of_rank(RANK), **arguments)
     assert expected in str(refused.value)
     assert compiles.count == 0
 

@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eqx_lean
 from eqx_lean.hf import (
-    MistralConfig,
+    DecoderConfig,
     abstract_model,
     fsdp_shardings,
     lora_config_of_rank,
@@ -53,7 +53,7 @@ def _counts(c: dict) -> tuple[int, int]:
 @needs_gpu_plugin
 @pytest.mark.parametrize("axes", [None, (("data", 2), ("fsdp", 4))])
 def test_plan_lora_step_bytes_by_hand(axes):
-    config = MistralConfig(**TINY)
+    config = DecoderConfig(**TINY)
     plan = plan_lora_step(
         config,
         "8xh100",
@@ -77,7 +77,7 @@ def test_plan_lora_step_bytes_by_hand(axes):
 
 @needs_gpu_plugin
 def test_plan_lora_step_errors():
-    config = MistralConfig(**TINY)
+    config = DecoderConfig(**TINY)
     with pytest.raises(ValueError, match="multiple of the number of devices \\(8\\)"):
         plan_lora_step(config, "8xh100", batch_size=4, seq_len=8)
     with pytest.raises(ValueError, match="mesh_axes names must be 'data' and 'fsdp'"):
@@ -122,7 +122,7 @@ def test_plan_train_step_of_the_decoder_on_a_target_default_mesh():
     axes, ids split by rows: it failed at the embedding lookup (issue 39). The plan is the one
     made on the same mesh with Auto axes, where XLA chooses every sharding."""
     optax = pytest.importorskip("optax")
-    config = MistralConfig(**TINY)
+    config = DecoderConfig(**TINY)
     target = eqx_lean.memory.target("8xh100")
 
     def plan_on(mesh: Any) -> Any:

@@ -125,7 +125,7 @@ def test_bad_arguments_are_refused_by_name(kwargs, error, words):
         positionwise(arguments.pop("fn"), arguments.pop("x"), **arguments)
 
 
-CONFIG = hf.MistralConfig(**MICRO_DECODER)
+CONFIG = hf.DecoderConfig(**MICRO_DECODER)
 
 
 @pytest.fixture(scope="module")

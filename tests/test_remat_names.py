@@ -90,7 +90,7 @@ def test_scan_takes_name_based_policies(stack, policy):
 
 @pytest.fixture(scope="module")
 def lora_model() -> tuple[Any, Any, Any]:
-    config = hf.MistralConfig(**dict(TINY_DECODER, dtype="float32"))
+    config = hf.DecoderConfig(**dict(TINY_DECODER, dtype="float32"))
     model = hf.init(config, key=jax.random.key(0), norm_std=0.1)
     model = lora.add_lora(
         model, lora.LoraConfig(r=4, target_modules=("q_proj", "down_proj")), key=jax.random.key(1)

@@ -143,7 +143,8 @@ def _parser() -> argparse.ArgumentParser:
     lora = commands.add_parser(
         "lora",
         parents=[step],
-        help="plan a LoRA step of a Hugging Face decoder (Mistral, Llama, Qwen2)",
+        help="plan a LoRA step of a Hugging Face decoder (Mistral, Llama, Qwen2, Qwen3, Gemma 2, "
+        "Gemma 3)",
     )
     lora.add_argument("--rank", type=int, default=16, help="LoRA rank (default 16)")
     lora.add_argument(
@@ -293,7 +294,7 @@ def _request(args: argparse.Namespace) -> _Request:
                 f"multiples of it; got {max_batch}."
             )
         check_step_arguments(where, batch, seq_len, mesh_axes)
-        config = hf.MistralConfig.from_json(args.config)
+        config = hf.DecoderConfig.from_json(args.config)
     except (ValueError, TypeError) as error:
         raise _UsageError(str(error)) from None
     except OSError as error:  # argparse's own words for a file it cannot open

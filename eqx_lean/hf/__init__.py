@@ -1,9 +1,13 @@
 """Hugging Face checkpoints as stacked Equinox models: load, save, generate and fine-tune.
 
-Its dependencies come with the `hf` extra. The decoder families and the config reading live in
-`_config.py` and `_model.py`, the checkpoint conversion in `_checkpoint.py`, LoRA with PEFT's
-format in `eqx_lean.lora`.
+Its dependencies come with the `hf` extra. One model, `Decoder`, configured by `DecoderConfig`,
+reads every family (Mistral, Llama, Qwen2, Qwen3, Gemma 2, Gemma 3): the families are specs in
+`_families.py`, the config in `_config.py`, the block in `_model.py`, the checkpoint conversion
+in `_checkpoint.py`, LoRA with PEFT's format in `eqx_lean.lora`.
 """
+
+import warnings
+from typing import Any
 
 from ._adapters import load_adapters as load_adapters, save_adapters as save_adapters
 from ._checkpoint import (
@@ -13,7 +17,7 @@ from ._checkpoint import (
     save_hf as save_hf,
     to_hf_state_dict as to_hf_state_dict,
 )
-from ._config import MistralConfig as MistralConfig
+from ._config import DecoderConfig as DecoderConfig
 from ._data import (
     HFTokenizer as HFTokenizer,
     PackedRows as PackedRows,
@@ -30,9 +34,9 @@ from ._generate import decode_step as decode_step, generate as generate, sample 
 from ._model import (
     LAYER_INPUT as LAYER_INPUT,
     MLP_CHUNK_BYTES as MLP_CHUNK_BYTES,
+    Decoder as Decoder,
     DecoderBlock as DecoderBlock,
     KVCache as KVCache,
-    Mistral as Mistral,
     init as init,
     make_block as make_block,
 )
@@ -53,3 +57,22 @@ from ._train import (
     make_train_step as make_train_step,
     next_token_loss as next_token_loss,
 )
+
+
+# The names before issue 45, kept for one release: the same classes (so `isinstance`, equality
+# and pickles are unchanged), reached with a `DeprecationWarning`.
+_DEPRECATED = {"Mistral": "Decoder", "MistralConfig": "DecoderConfig"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _DEPRECATED:
+        new = _DEPRECATED[name]
+        warnings.warn(
+            f"`eqx_lean.hf.{name}` is deprecated: use `eqx_lean.hf.{new}`, the same class (the "
+            "decoder of every family eqx_lean.hf reads). The old name will be removed in the "
+            "next release.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return globals()[new]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

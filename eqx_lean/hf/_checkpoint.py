@@ -20,10 +20,11 @@ from .._io.names import stored_layer_count
 from .._io.quantized import quant_config
 from .._io.safetensors import INDEX_FILE, WEIGHTS_FILE
 from ..quant._linear import QuantConfig
-from ._config import MistralConfig, config_from_file, parse_config_json
+from ._config import DecoderConfig, config_from_file, parse_config_json
 from ._families import DTYPE_NAMES, declared_layers, stated_dtype
-from ._model import DecoderBlock, Mistral, RMSNorm, _linear_from_weight, _resolve_dtype, make_block
+from ._model import Decoder, DecoderBlock, RMSNorm, _linear_from_weight, _resolve_dtype, make_block
 from ._quantized import load_quantized, refuse_bitsandbytes, refuse_prequantized
+from ._tower import TowerNames, check_extras, is_multimodal, tower_prefix
 
 
 _EMBED, _NORM, _HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
@@ -33,24 +34,27 @@ def _layer_name(index: int | str, name: str) -> str:
     return f"model.layers.{index}.{name}"
 
 
-def _named_leaves(like: Mistral) -> list[tuple[str, Any]]:
-    """Every array leaf of `like` with its HF name (a template with `{i}` for a block leaf):
-    JAX and NumPy arrays and abstract `jax.ShapeDtypeStruct`s alike."""
+def _named_leaves(like: Decoder, names: Any = None) -> list[tuple[str, Any]]:
+    """Every array leaf of `like` with its HF name (a template with `{i}` for a block leaf),
+    by `names` (`None`: `_hf_name`): JAX and NumPy arrays and abstract
+    `jax.ShapeDtypeStruct`s alike."""
+    names = _hf_name if names is None else names
     return [
-        (_hf_name(path, leaf), leaf)
+        (names(path, leaf), leaf)
         for path, leaf in jax.tree_util.tree_leaves_with_path(like)
         if isinstance(leaf, jax.ShapeDtypeStruct) or eqx.is_array(leaf)
     ]
 
 
-def _hf_names(config: MistralConfig) -> list[str]:
+def _hf_names(config: DecoderConfig) -> list[str]:
     return _tensor_names(abstract_model(config))
 
 
-def _tensor_names(like: Mistral) -> list[str]:
-    """Every HF tensor name `like` has a leaf for, one per layer for a block leaf."""
+def _tensor_names(like: Decoder, name_of: Any = None) -> list[str]:
+    """Every HF tensor name `like` has a leaf for, one per layer for a block leaf (by
+    `name_of`, as for `_named_leaves`)."""
     names = []
-    for template, _ in _named_leaves(like):
+    for template, _ in _named_leaves(like, name_of):
         if "{i}" in template:
             names.extend(template.format(i=i) for i in range(like.config.num_hidden_layers))
         else:
@@ -64,6 +68,8 @@ _DIM_FIELDS: dict[str, tuple[tuple[str, ...], ...]] = {
     "embed_tokens.weight": (("vocab_size",), ("hidden_size",)),
     "lm_head.weight": (("vocab_size",), ("hidden_size",)),
     "norm.weight": (("hidden_size",),),
+    "q_norm.weight": (("head_dim",),),
+    "k_norm.weight": (("head_dim",),),
     "q_proj.weight": (_Q, ("hidden_size",)),
     "k_proj.weight": (_KV, ("hidden_size",)),
     "v_proj.weight": (_KV, ("hidden_size",)),
@@ -82,12 +88,14 @@ _DIM_FIELDS: dict[str, tuple[tuple[str, ...], ...]] = {
 
 
 def _sized_by(
-    name: str, expected: tuple[int, ...], held: tuple[int, ...], config: MistralConfig
+    name: str, expected: tuple[int, ...], held: tuple[int, ...], config: DecoderConfig
 ) -> str:
     """The config fields, with their values, that give tensor `name` a shape other than the
     one held: "`hidden_size`=16 gives", "`hidden_size`=16, `vocab_size`=8 give"."""
     end = ".".join(name.split(".")[-2:])
-    dims = _DIM_FIELDS.get("norm.weight" if end.endswith("norm.weight") else end)
+    dims = _DIM_FIELDS.get(end) or _DIM_FIELDS.get(
+        "norm.weight" if end.endswith("norm.weight") else end
+    )
     if dims is None or len(dims) != len(expected):
         return "sizes give"
     wrong = [i for i in range(len(expected)) if i >= len(held) or expected[i] != held[i]]
@@ -98,7 +106,7 @@ def _sized_by(
 
 
 def _check_shape(
-    name: str, held: tuple[int, ...], expected: tuple[int, ...], config: MistralConfig
+    name: str, held: tuple[int, ...], expected: tuple[int, ...], config: DecoderConfig
 ) -> None:
     if tuple(held) != tuple(expected):
         raise ValueError(
@@ -109,8 +117,8 @@ def _check_shape(
 
 
 def _assemble(
-    get_tensor: Callable[[str], np.ndarray], config: MistralConfig, dtype: Any
-) -> Mistral:
+    get_tensor: Callable[[str], np.ndarray], config: DecoderConfig, dtype: Any
+) -> Decoder:
     """Builds the model from HF tensors fetched one at a time by name.
 
     The stacked leaves are preallocated in `dtype` and filled one layer slice at a time with
@@ -130,7 +138,14 @@ def _assemble(
     return jax.tree.unflatten(treedef, leaves)
 
 
-_FAMILY_NAMES = {"mistral": "Mistral", "llama": "Llama", "qwen2": "Qwen2"}
+_FAMILY_NAMES = {
+    "mistral": "Mistral",
+    "llama": "Llama",
+    "qwen2": "Qwen2",
+    "qwen3": "Qwen3",
+    "gemma2": "Gemma 2",
+    "gemma3_text": "Gemma 3",
+}
 
 
 def _untied_error(where: str) -> ValueError:
@@ -142,8 +157,8 @@ def _untied_error(where: str) -> ValueError:
 
 
 def from_hf_state_dict(
-    state_dict: dict[str, np.ndarray], config: MistralConfig, dtype: Any = None
-) -> Mistral:
+    state_dict: dict[str, np.ndarray], config: DecoderConfig, dtype: Any = None
+) -> Decoder:
     """Builds the model from a HuggingFace state dict.
 
     **Arguments:**
@@ -155,7 +170,7 @@ def from_hf_state_dict(
 
     **Returns:**
 
-    The [`Mistral`][] model. The layer count and every tensor's shape are checked against
+    The [`Decoder`][] model. The layer count and every tensor's shape are checked against
     `config` before any buffer is allocated: a state dict with more layers than `config` is
     refused too (as [`load_hf`][] refuses such a checkpoint), and so is one of bitsandbytes'
     quantised tensors.
@@ -199,7 +214,7 @@ def from_hf_state_dict(
     return _assemble(lambda name: np.asarray(state_dict[name]), config, dtype)
 
 
-def _hf_sources(model: Mistral) -> list[tuple[str, Array, int | None]]:
+def _hf_sources(model: Decoder) -> list[tuple[str, Array, int | None]]:
     """Every HF tensor of `model` as (name, array, layer index or None), in HF order.
 
     Layer tensors are referenced, not sliced, so that listing them copies nothing.
@@ -219,7 +234,7 @@ def _host_copy(array: Array, index: int | None) -> np.ndarray:
     return np.asarray(array if index is None else array[index])
 
 
-def to_hf_state_dict(model: Mistral) -> dict[str, np.ndarray]:
+def to_hf_state_dict(model: Decoder) -> dict[str, np.ndarray]:
     """The HuggingFace state dict of `model`: HF tensor names to numpy arrays (copies)."""
     return {name: _host_copy(array, index) for name, array, index in _hf_sources(model)}
 
@@ -234,7 +249,7 @@ def _require_weights(path: str) -> None:
 
 
 def _hf_name(path: Any, leaf: Any) -> str:
-    """The HF tensor name of a leaf of [`Mistral`][]: block leaves share HF's attribute names
+    """The HF tensor name of a leaf of [`Decoder`][]: block leaves share HF's attribute names
     (biases included); a tied model has no `lm_head` leaf."""
     del leaf
     key = jax.tree_util.keystr(path)
@@ -243,7 +258,7 @@ def _hf_name(path: Any, leaf: Any) -> str:
     return {".embed_tokens.weight": _EMBED, ".norm.weight": _NORM, ".lm_head.weight": _HEAD}[key]
 
 
-def abstract_model(config: MistralConfig, dtype: Any = None) -> Mistral:
+def abstract_model(config: DecoderConfig, dtype: Any = None) -> Decoder:
     """The model's structure with `jax.ShapeDtypeStruct` leaves: nothing is allocated.
 
     The same structure as `eqx.filter_eval_shape(init, config, ...)`, traced without
@@ -257,15 +272,19 @@ def abstract_model(config: MistralConfig, dtype: Any = None) -> Mistral:
     def block(key: Any) -> DecoderBlock:
         return make_block(config, key=key)
 
-    def build() -> Mistral:
+    def build() -> Decoder:
         # Inside the trace: creating the key runs nothing.
         keys = jax.random.split(jax.random.key(0), config.num_hidden_layers)
         layers = eqx.filter_vmap(block)(keys)
         matrix = jnp.zeros((config.vocab_size, config.hidden_size), dtype)
-        return Mistral(
+        return Decoder(
             embed_tokens=eqx.nn.Embedding(weight=matrix),
             layers=jax.tree.map(cast, layers),
-            norm=RMSNorm(jnp.ones((config.hidden_size,), dtype), config.rms_norm_eps),
+            norm=RMSNorm(
+                jnp.ones((config.hidden_size,), dtype),
+                config.rms_norm_eps,
+                bool(config.norm_unit_offset),
+            ),
             lm_head=None if config.tie_word_embeddings else _linear_from_weight(matrix),
             config=config,
         )
@@ -277,12 +296,16 @@ _LAYER_PREFIX = "model.layers."
 
 
 def _check_layer_count(
-    expected: int | None, stored: Mapping[str, Any], path: str, strict: bool
+    expected: int | None,
+    stored: Mapping[str, Any],
+    path: str,
+    strict: bool,
+    prefix: str = _LAYER_PREFIX,
 ) -> None:
     """`config.json` must give the layer count the weights hold (`None`: it gives none a
-    config is built from, which building it reports)."""
+    config is built from, which building it reports), their names under `prefix`."""
     config_file = os.path.join(path, "config.json")
-    held = stored_layer_count(stored, _LAYER_PREFIX)
+    held = stored_layer_count(stored, prefix)
     if expected is not None and (held < expected or (strict and held > expected)):
         hint = (
             f"Fix config.json, or pass `strict=False` to load its first {expected} layers."
@@ -291,12 +314,16 @@ def _check_layer_count(
         )
         raise ValueError(
             f"{config_file} says num_hidden_layers={expected}, but the weights in {path} hold "
-            f"{held} layers ('{_LAYER_PREFIX}0.…' to '{_LAYER_PREFIX}{held - 1}.…'). {hint}"
+            f"{held} layers ('{prefix}0.…' to '{prefix}{held - 1}.…'). {hint}"
         )
 
 
 def _check_shapes(
-    stored: Mapping[str, Any], path: str, config: MistralConfig, like: Mistral
+    stored: Mapping[str, Any],
+    path: str,
+    config: DecoderConfig,
+    like: Decoder,
+    name_of: Any = _hf_name,
 ) -> None:
     """`config.json` must give every tensor the shape the weights hold (after the layer count
     is checked: this lists every layer's names)."""
@@ -305,7 +332,7 @@ def _check_shapes(
     for leaf_path, leaf in jax.tree_util.tree_leaves_with_path(like):
         if not isinstance(leaf, jax.ShapeDtypeStruct):
             continue
-        template = _hf_name(leaf_path, leaf)
+        template = name_of(leaf_path, leaf)
         stacked = "{i}" in template
         shape = leaf.shape[1:] if stacked else leaf.shape
         for name in [template.format(i=i) for i in range(expected)] if stacked else [template]:
@@ -326,8 +353,10 @@ def load_hf(
     strict: bool = True,
     quantize: Any = None,
     file_backed: bool = False,
-) -> Mistral:
-    """Loads a HuggingFace Mistral, Llama or Qwen2 checkpoint directory with
+) -> Decoder:
+    """Loads a HuggingFace checkpoint of a family `eqx_lean.hf` reads (Mistral, Llama, Qwen2,
+    Qwen3, Gemma 2, Gemma 3; a `Gemma3ForConditionalGeneration` as its text tower, its vision
+    tower's tensors left unread) with
     [`eqx_lean.load_tensors`][].
 
     Every tensor is copied from a memory map of its file straight into buffers allocated once
@@ -377,7 +406,7 @@ def load_hf(
 
     **Returns:**
 
-    The [`Mistral`][] model.
+    The [`Decoder`][] model.
     """
     quant = quant_config(quantize)
     if isinstance(path, eqx_lean.Checkpoint):
@@ -396,7 +425,7 @@ def _load_opened(
     strict: bool,
     quant: QuantConfig | None = None,
     file_backed: bool = False,
-) -> Mistral:
+) -> Decoder:
     config_file = os.path.join(path, "config.json")
     try:
         raw = checkpoint.file("config.json")
@@ -413,22 +442,33 @@ def _load_opened(
     refuse_prequantized(raw, config_file)
     hf = parse_config_json(raw, config_file)
     stored = eqx_lean.checkpoint_tensors(checkpoint)  # headers only
+    # A Gemma3ForConditionalGeneration is read as its text tower, whose names are prefixed.
+    names: Any = _hf_name
+    prefix = _LAYER_PREFIX
+    if is_multimodal(hf):
+        names = TowerNames(tower_prefix(stored, config_file), _hf_name)
+        prefix = names.prefix + "layers."
     # Before the config is built: it may list one entry per layer (Qwen2's `layer_types`).
-    _check_layer_count(declared_layers(hf), stored, path, strict)
+    _check_layer_count(declared_layers(hf), stored, path, strict, prefix)
     config = config_from_file(hf, config_file)
     if stated_dtype(hf) is None:
-        config = _with_stored_dtype(config, stored, path, given=dtype is not None)
+        config = _with_stored_dtype(config, stored, path, dtype is not None, names)
     config = _with_generation_eos(checkpoint, path, config)
     dtype = _resolve_dtype(config, dtype)
     like = abstract_model(config, dtype)
     refuse_bitsandbytes(
         {name: jnp.dtype(struct.dtype).name for name, struct in stored.items()},
-        set(_tensor_names(like)),
+        set(_tensor_names(like, names)),
         f"the weights in {path} hold",
         config_file,
     )
-    _check_shapes(stored, path, config, like)
+    _check_shapes(stored, path, config, like, names)
     layers = None if strict else config.num_hidden_layers
+    if names is not _hf_name:
+        # The vision tower's tensors stay in the file: checked here, then loaded around.
+        if strict:
+            check_extras(stored, set(_tensor_names(like, names)) | {_HEAD}, config_file)
+        strict, layers = False, config.num_hidden_layers
     stored_head = _HEAD in stored
     if quant is not None:
         if config.tie_word_embeddings and stored_head:
@@ -436,14 +476,12 @@ def _load_opened(
                 f"{config_file} ties the head to the embeddings but the checkpoint stores a "
                 "head: load it without `quantize` (then `eqx_lean.quant.quantize_linears`)."
             )
-        return load_quantized(
-            checkpoint, like, _hf_name, quant, strict, layers, sharding, file_backed
-        )
+        return load_quantized(checkpoint, like, names, quant, strict, layers, sharding, file_backed)
     if not (config.tie_word_embeddings and stored_head):
         return eqx_lean.load_tensors(
             checkpoint,
             like,
-            _hf_name,
+            names,
             sharding=sharding,
             layers=layers,
             strict=strict,
@@ -455,7 +493,7 @@ def _load_opened(
     model = eqx_lean.load_tensors(
         checkpoint,
         abstract_model(untied, dtype),
-        _hf_name,
+        names,
         sharding=sharding,
         layers=layers,
         strict=strict,
@@ -464,19 +502,19 @@ def _load_opened(
     assert model.lm_head is not None
     if not bool(jnp.array_equal(model.lm_head.weight, model.embed_tokens.weight)):
         raise _untied_error(config_file)
-    return Mistral(model.embed_tokens, model.layers, model.norm, None, config)
+    return Decoder(model.embed_tokens, model.layers, model.norm, None, config)
 
 
 def _with_stored_dtype(
-    config: MistralConfig, stored: Mapping[str, Any], path: str, given: bool
-) -> MistralConfig:
+    config: DecoderConfig, stored: Mapping[str, Any], path: str, given: bool, names: Any = None
+) -> DecoderConfig:
     """`config` in the dtype its weights are stored in, for a `config.json` that states none:
     what `transformers`' `from_pretrained` loads (its `dtype="auto"`), never a narrower one.
     Weights stored in several dtypes are refused unless the load is `given` its own."""
-    names = set(_tensor_names(abstract_model(config))) | {_HEAD}
+    held = set(_tensor_names(abstract_model(config), names)) | {_HEAD}
     found: dict[str, str] = {}  # each floating dtype, with the first tensor stored in it
     for name, struct in stored.items():
-        if name in names and jnp.issubdtype(struct.dtype, jnp.floating):
+        if name in held and jnp.issubdtype(struct.dtype, jnp.floating):
             found.setdefault(jnp.dtype(struct.dtype).name, name)
     if len(found) == 1 and next(iter(found)) in DTYPE_NAMES:
         return dataclasses.replace(config, dtype=next(iter(found)))
@@ -496,8 +534,8 @@ _GENERATION = "generation_config.json"
 
 
 def _with_generation_eos(
-    checkpoint: eqx_lean.Checkpoint, path: str, config: MistralConfig
-) -> MistralConfig:
+    checkpoint: eqx_lean.Checkpoint, path: str, config: DecoderConfig
+) -> DecoderConfig:
     """`config` with `generation_config.json`'s `eos_token_id`, if the checkpoint has that file
     (as `transformers`, whose `generate` reads the generation config, not `config.json`), each
     id checked to be a token of the vocabulary, and the file's text (which `save_hf` keeps)."""
@@ -533,7 +571,7 @@ def _with_generation_eos(
     )
 
 
-def _generation_file(config: MistralConfig, path: str | os.PathLike) -> bytes:
+def _generation_file(config: DecoderConfig, path: str | os.PathLike) -> bytes:
     """`generation_config.json` for a model of `config` saved to `path`: the file the model's
     checkpoint had (else the one `path` holds), byte for byte, while the model's stop ids are
     the ones it gives; else that file with the model's stop ids in `eos_token_id`, its other
@@ -574,7 +612,7 @@ def _existing_generation_text(path: str | os.PathLike) -> str | None:
 
 
 def save_hf(
-    model: Mistral,
+    model: Decoder,
     path: str | os.PathLike,
     *,
     max_shard_bytes: int = 2 * 2**30,
@@ -612,7 +650,7 @@ def save_hf(
 
     **Arguments:**
 
-    - `model`: the [`Mistral`][] model.
+    - `model`: the [`Decoder`][] model.
     - `path`: the directory to write (created if needed).
     - `max_shard_bytes`: the largest shard size (a single larger tensor gets its own shard).
     - `other_weights`: what to do with weight files in `path` that this save does not write

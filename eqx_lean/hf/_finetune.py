@@ -31,9 +31,9 @@ from .._core import tree_bytes
 from .._core.sharding import explicit_type_sharding, mesh_axis_size
 from .._scan.remat import Remat
 from ..quant._linear import quantize_linears
-from ._config import MistralConfig
+from ._config import DecoderConfig
 from ._data import batches
-from ._model import Mistral, init
+from ._model import Decoder, init
 from ._state import FinetuneState, load_state, save_state as save
 from ._train import _import_optax, adamw, counted_targets, next_token_loss
 
@@ -77,15 +77,15 @@ def make_lora_step(
         raise ValueError(f"`grad_accum` must be a positive integer; got {grad_accum!r}.")
 
     def step(
-        frozen: Mistral,
-        adapters: Mistral,
+        frozen: Decoder,
+        adapters: Decoder,
         opt_state: Any,
         input_ids: Array,
         key: Any,
         labels: Array | None = None,
-    ) -> tuple[Mistral, Any, Array]:
+    ) -> tuple[Decoder, Any, Array]:
         def loss_of(
-            adapters: Mistral, ids: Array, labels: Array | None, key: Any, reduction: Any = "mean"
+            adapters: Decoder, ids: Array, labels: Array | None, key: Any, reduction: Any = "mean"
         ) -> Array:
             model = eqx.combine(adapters, frozen)
             loss = next_token_loss(
@@ -130,12 +130,12 @@ def _micro_batches(input_ids: Array, grad_accum: int) -> Array:
 
 def _accumulated(
     loss_of: Any,
-    adapters: Mistral,
+    adapters: Decoder,
     input_ids: Array,
     labels: Array | None,
     key: Any,
     grad_accum: int,
-) -> tuple[Array, Mistral]:
+) -> tuple[Array, Decoder]:
     """The loss and gradient of the whole batch from `grad_accum` equal micro-batches of
     `input_ids` (and `labels`): each micro-batch's summed loss and its gradient, added in
     float32 over a `lax.scan` (so only one micro-batch's activations are ever live), divided
@@ -208,7 +208,7 @@ def _run_info(
 
 
 def finetune(
-    model: Mistral,
+    model: Decoder,
     rows: np.ndarray,
     lora_config: lora.LoraConfig,
     settings: FinetuneSettings = FinetuneSettings(),
@@ -218,12 +218,12 @@ def finetune(
     save_every: int = 0,
     resume: str | os.PathLike | None = None,
     labels: np.ndarray | None = None,
-) -> tuple[Mistral, list[float], list[float]]:
+) -> tuple[Decoder, list[float], list[float]]:
     """Adds fresh LoRA adapters to `model` and trains them with AdamW on `rows`.
 
     **Arguments:**
 
-    - `model`: the base [`Mistral`][eqx_lean.hf.Mistral] (any dtype; it stays frozen and is
+    - `model`: the base [`Decoder`][eqx_lean.hf.Decoder] (any dtype; it stays frozen and is
         never copied).
     - `rows`: packed token ids `[rows, seq_len]` (see [`load_rows`][eqx_lean.hf.load_rows]).
     - `lora_config`: the adapters to add.
@@ -315,8 +315,8 @@ def finetune(
 
 
 def _abstract_lora_model(
-    config: MistralConfig, lora_config: lora.LoraConfig, dtype: Any, quantize: Any = None
-) -> Mistral:
+    config: DecoderConfig, lora_config: lora.LoraConfig, dtype: Any, quantize: Any = None
+) -> Decoder:
     base = init(config, key=jax.random.key(0), dtype=dtype)
     if quantize is not None:
         base = quantize_linears(base, quantize)
@@ -324,7 +324,7 @@ def _abstract_lora_model(
 
 
 def step_memory(
-    config: MistralConfig,
+    config: DecoderConfig,
     lora_config: lora.LoraConfig,
     *,
     batch_size: int,

@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
 from .. import _arguments as arguments
-from ._model import KVCache, Mistral
+from ._model import Decoder, KVCache
 
 
 _INT32_MAX = int(np.iinfo(np.int32).max)
@@ -86,12 +86,12 @@ def _check_key(key: Any) -> None:
 
 
 def _step(
-    params: Mistral,
+    params: Decoder,
     cache: KVCache,
     input_ids: Int[Array, "batch seq"],
     key: PRNGKeyArray | None,
     *,
-    static: Mistral,
+    static: Decoder,
     temperature: float,
     top_k: int | None,
 ) -> tuple[Int[Array, " batch"], Float[Array, "batch vocab"], KVCache]:
@@ -109,12 +109,12 @@ _decode_step = jax.jit(
 
 
 def decode_step(
-    params: Mistral,
+    params: Decoder,
     cache: KVCache,
     input_ids: Int[ArrayLike, "batch seq"],
     key: PRNGKeyArray | None = None,
     *,
-    static: Mistral,
+    static: Decoder,
     temperature: float = 0.0,
     top_k: int | None = None,
 ) -> tuple[Int[Array, " batch"], Float[Array, "batch vocab"], KVCache]:
@@ -154,9 +154,9 @@ def decode_step(
     import equinox as eqx
     import jax
     import jax.numpy as jnp
-    from eqx_lean.hf import KVCache, MistralConfig, decode_step, init
+    from eqx_lean.hf import KVCache, DecoderConfig, decode_step, init
 
-    model = init(MistralConfig.tiny(), key=jax.random.key(0))
+    model = init(DecoderConfig.tiny(), key=jax.random.key(0))
     params, static = eqx.partition(model, eqx.is_array)
     cache = KVCache.empty(model.config, 1, 16, model.dtype)
     next_ids, logits, cache = decode_step(params, cache, jnp.array([[1, 2, 3]]), static=static)
@@ -165,7 +165,7 @@ def decode_step(
     print(next_ids.shape, logits.shape)  # (1,) (1, 256)
     ```
     """
-    if not isinstance(static, Mistral) or any(eqx.is_array(x) for x in jax.tree.leaves(static)):
+    if not isinstance(static, Decoder) or any(eqx.is_array(x) for x in jax.tree.leaves(static)):
         raise TypeError(
             "`static` must be the model's non-array part, `eqx.partition(model, "
             f"eqx.is_array)[1]`; got {type(static).__name__}."
@@ -225,7 +225,7 @@ def _first_out_of_range(ids: Any, vocab: int) -> tuple[tuple[int, int], int] | N
     return None
 
 
-def default_cache_size(model: Mistral, total_length: int) -> int:
+def default_cache_size(model: Decoder, total_length: int) -> int:
     """Slots needed for `total_length` positions: the window, if every layer has one smaller."""
     window = model.config.max_window
     return total_length if window is None else min(window, total_length)
@@ -239,7 +239,7 @@ def length_bucket(length: int) -> int:
     return -(-length // 1024) * 1024
 
 
-def _cache_size(cache_size: Any, model: Mistral, prompt_length: int, max_new_tokens: int) -> int:
+def _cache_size(cache_size: Any, model: Decoder, prompt_length: int, max_new_tokens: int) -> int:
     """`cache_size`, checked: the cache is a ring buffer, so one smaller than the positions
     some layer still attends to would overwrite keys that layer reads (other logits, no error).
     `None`: the size for the length's bucket (`length_bucket`).
@@ -282,7 +282,7 @@ def _cache_sharding(prompt_ids: Array) -> NamedSharding | None:
     return sharding.update(spec=PartitionSpec(None, batch_axes))
 
 
-def _stop_ids(eos_token_id: Any, model: Mistral) -> tuple[int, ...]:
+def _stop_ids(eos_token_id: Any, model: Decoder) -> tuple[int, ...]:
     """The ids generation ends at, each checked to be a token of the vocabulary."""
     vocab = model.config.vocab_size
     if eos_token_id is None:
@@ -312,7 +312,7 @@ def _stop_ids(eos_token_id: Any, model: Mistral) -> tuple[int, ...]:
     donate_argnames=("cache",),
 )
 def _generate_loop(
-    params: Mistral,
+    params: Decoder,
     cache: KVCache,
     prompt_ids: Int[Array, "batch prompt"],
     key: PRNGKeyArray | None,
@@ -320,7 +320,7 @@ def _generate_loop(
     stop_ids: Int[Array, " stops"],
     max_new_tokens: Any,
     *,
-    static: Mistral,
+    static: Decoder,
     new_slots: int,
     top_k: int | None,
     greedy: bool,
@@ -382,7 +382,7 @@ def _first(array: Array, axis: int, length: int) -> Array:
 
 
 def generate(
-    model: Mistral,
+    model: Decoder,
     prompt_ids: Int[ArrayLike, "batch prompt"],
     max_new_tokens: int,
     *,
@@ -411,7 +411,7 @@ def generate(
 
     **Arguments:**
 
-    - `model`: the [`Mistral`][] model (any family).
+    - `model`: the [`Decoder`][] model (any family).
     - `prompt_ids`: integer token ids of prompts of equal length, shape `[batch, prompt]`,
         each in `[0, vocab)`.
     - `max_new_tokens`: how many tokens to add, a positive integer.
@@ -423,7 +423,7 @@ def generate(
         positions are overwritten, as the window never sees them). A size of at least
         `prompt + max_new_tokens` (or the window) is allowed; a smaller one is refused, since
         it would overwrite keys a layer still attends to: a model with any full-attention
-        layer (Qwen2's mixed `layer_types` included) needs the whole sequence, a
+        layer (mixed `layer_types`, as Qwen2's or Gemma's, included) needs the whole sequence, a
         sliding-window model its window.
     - `return_logits`: also return the logits each new token was chosen from (the program
         then holds `[batch, bucket - prompt, vocab]` of them, in the model's dtype).
@@ -439,7 +439,7 @@ def generate(
     id (as `transformers` pads with `eos_token_id[0]` when there is no pad token). Both are
     cut to `new` on the host and placed as the program left them (the prompt's sharding).
     """
-    if not isinstance(model, Mistral):
+    if not isinstance(model, Decoder):
         raise TypeError(f"`model` must be a Mistral (a Decoder); got {type(model).__name__}.")
     if isinstance(prompt_ids, Tracer):
         raise TypeError(

@@ -1,10 +1,16 @@
-"""The decoder (Mistral, Llama, Qwen2) in Equinox, its blocks stacked on a leading layer axis.
+"""The decoder of every family `eqx_lean.hf` reads, in Equinox, its blocks stacked on a leading
+layer axis.
+
+One block, assembled from the config's options rather than per family: RMSNorm as `w` or
+Gemma's `1 + w`, pre-norms and (Gemma 2/3) post-norms, q/k norms (Qwen3, Gemma 3), a SiLU or
+tanh-GELU gated MLP, the attention's query scale and soft cap; around the blocks, Gemma's
+embedding scale and final-logit soft cap, and per-layer windows and rotary embeddings.
 
 Numerics follow HuggingFace `transformers` (`MistralForCausalLM`, `LlamaForCausalLM`,
-`Qwen2ForCausalLM`, eager attention) so that logits agree to float32 rounding: RMSNorm in
-float32, rotary embeddings in HF's `rotate_half` layout (`default` or `llama3` frequencies),
-softmax in float32, a sliding window in which a query sees `sliding_window` keys including
-itself, per layer where the layers differ (Qwen2's `layer_types`).
+`Qwen2ForCausalLM`, `Qwen3ForCausalLM`, `Gemma2ForCausalLM`, `Gemma3ForCausalLM`, eager
+attention) so that logits agree to float32 rounding: RMSNorm in float32, rotary embeddings in
+HF's `rotate_half` layout, softmax in float32, a sliding window in which a query sees
+`sliding_window` keys including itself, per layer where the layers differ (`layer_types`).
 
 Attention over a whole sequence (training, a model's call, `hidden_states`) is
 [`eqx_lean.nn.attention`][] by default: blockwise, never holding `[heads, seq, seq]` scores;
@@ -32,7 +38,7 @@ from .._core.sharding import explicit_type_sharding, like_last_axis, resharded_l
 from .._product import linear_product
 from ..nn import attention as blockwise_attention, positionwise
 from ..nn._positionwise import chunk_positions
-from ._config import MistralConfig
+from ._config import DecoderConfig
 from ._rope import (
     apply_rotary,
     attention_mask as attention_mask,
@@ -79,16 +85,21 @@ def _padded_spec(spec: PartitionSpec, ndim: int) -> tuple[Any, ...]:
 class RMSNorm(eqx.Module):
     """Root-mean-square normalisation with HuggingFace's numerics.
 
-    The statistics are computed in float32 and the normalised values are cast back to the
-    input dtype before the weight multiplies them.
+    The statistics are computed in float32. Llama's style (`unit_offset=False`) casts the
+    normalised values back to the input dtype before the weight multiplies them; Gemma's
+    (`unit_offset=True`) multiplies by `1 + weight` in float32 and then casts.
     """
 
     weight: Float[Array, " dim"]
     eps: float = eqx.field(static=True)
+    unit_offset: bool = eqx.field(static=True, default=False)
 
     def __call__(self, x: Float[Array, "... dim"]) -> Float[Array, "... dim"]:
         x32 = x.astype(jnp.float32)
         normed = x32 * lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
+        if self.unit_offset:
+            weight = like_last_axis(self.weight, x).astype(jnp.float32)
+            return (normed * (1.0 + weight.reshape((1,) * (x.ndim - 1) + (-1,)))).astype(x.dtype)
         out_dtype = jnp.promote_types(self.weight.dtype, x.dtype)
         weight = (
             like_last_axis(self.weight, x).astype(out_dtype).reshape((1,) * (x.ndim - 1) + (-1,))
@@ -133,7 +144,12 @@ def check_attention(attention: Any) -> str:
 
 
 class Attention(eqx.Module):
-    """Grouped-query self-attention with rotary embeddings (HF eager-attention numerics)."""
+    """Grouped-query self-attention with rotary embeddings (HF eager-attention numerics).
+
+    `q_norm` and `k_norm` (Qwen3, Gemma 3), when not `None`, normalise each head of the
+    queries and keys before they are rotated; `scale` multiplies the scores (`None`:
+    `head_dim ** -0.5`), `soft_cap` caps them (`tanh(s / cap) * cap`, Gemma 2) before the mask.
+    """
 
     q_proj: eqx.nn.Linear
     k_proj: eqx.nn.Linear
@@ -142,6 +158,10 @@ class Attention(eqx.Module):
     num_heads: int = eqx.field(static=True)
     num_kv_heads: int = eqx.field(static=True)
     head_dim: int = eqx.field(static=True)
+    q_norm: RMSNorm | None = None
+    k_norm: RMSNorm | None = None
+    scale: float | None = eqx.field(static=True, default=None)
+    soft_cap: float | None = eqx.field(static=True, default=None)
 
     def __call__(
         self,
@@ -175,12 +195,24 @@ class Attention(eqx.Module):
         q = _project(self.q_proj, x, q_key).reshape(batch, seq, self.num_heads, self.head_dim)
         k = _project(self.k_proj, x, k_key).reshape(batch, seq, self.num_kv_heads, self.head_dim)
         v = _project(self.v_proj, x, v_key).reshape(batch, seq, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        scale = self.head_dim**-0.5 if self.scale is None else self.scale
 
         if past is None and attention == "blockwise":
             # `positions` run from 0 without gaps here (a call over the whole sequence), so
             # the causal mask and the window are those of the sequence's indices.
-            out = blockwise_attention(q, k, v, causal=True, window=window, segment_ids=segment_ids)
+            out = blockwise_attention(
+                q,
+                k,
+                v,
+                causal=True,
+                window=window,
+                segment_ids=segment_ids,
+                scale=scale,
+                logit_soft_cap=self.soft_cap,
+            )
             out = out.reshape(batch, seq, self.num_heads * self.head_dim)
             return _project(self.o_proj, out, o_key), (k, v)
 
@@ -197,7 +229,9 @@ class Attention(eqx.Module):
 
         # Query head h reads key/value head h // groups, as HF's `repeat_kv` arranges them.
         q = q.reshape(batch, seq, self.num_kv_heads, groups, self.head_dim)
-        scores = jnp.einsum("btgrd,bsgd->bgrts", q, keys) * self.head_dim**-0.5
+        scores = jnp.einsum("btgrd,bsgd->bgrts", q, keys) * scale
+        if self.soft_cap is not None:
+            scores = jnp.tanh(scores / self.soft_cap) * self.soft_cap
         mask = attention_mask(positions, key_positions, window)[None]
         if segment_ids is not None:
             mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
@@ -209,11 +243,13 @@ class Attention(eqx.Module):
 
 
 class MLP(eqx.Module):
-    """The SwiGLU feed-forward block: `down(silu(gate(x)) * up(x))`."""
+    """The gated feed-forward block: `down(act(gate(x)) * up(x))`, `act` SiLU (SwiGLU) or, with
+    `activation="gelu_pytorch_tanh"`, GELU's tanh approximation (Gemma's GeGLU)."""
 
     gate_proj: eqx.nn.Linear
     up_proj: eqx.nn.Linear
     down_proj: eqx.nn.Linear
+    activation: str = eqx.field(static=True, default="silu")
 
     def __call__(
         self,
@@ -233,7 +269,11 @@ class MLP(eqx.Module):
         self, x: Float[Array, "... hidden"], *, key: PRNGKeyArray | None = None
     ) -> Float[Array, "... hidden"]:
         gate_key, up_key, down_key = _split_key(key, 3)
-        gate = jax.nn.silu(_project(self.gate_proj, x, gate_key))
+        gate = _project(self.gate_proj, x, gate_key)
+        if self.activation == "silu":
+            gate = jax.nn.silu(gate)
+        else:
+            gate = jax.nn.gelu(gate, approximate=True)
         return _project(self.down_proj, gate * _project(self.up_proj, x, up_key), down_key)
 
 
@@ -246,7 +286,13 @@ name for the same tensor)."""
 
 
 class DecoderBlock(eqx.Module):
-    """One pre-norm decoder layer: attention then MLP, each with a residual connection.
+    """One decoder layer: attention then MLP, each with a residual connection.
+
+    Without post-norms (`pre_feedforward_layernorm` is `None`) it is the pre-norm layer of
+    Llama: `x + attn(input_layernorm(x))`, then `x + mlp(post_attention_layernorm(x))`. With
+    them (Gemma 2 and 3, whose names these are), each branch is normalised on both sides:
+    `x + post_attention_layernorm(attn(input_layernorm(x)))`, then
+    `x + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(x)))`.
 
     Its input is named [`LAYER_INPUT`][eqx_lean.hf.LAYER_INPUT] for checkpoint policies.
     """
@@ -255,6 +301,8 @@ class DecoderBlock(eqx.Module):
     self_attn: Attention
     post_attention_layernorm: RMSNorm
     mlp: MLP
+    pre_feedforward_layernorm: RMSNorm | None = None
+    post_feedforward_layernorm: RMSNorm | None = None
 
     def __call__(
         self,
@@ -286,8 +334,12 @@ class DecoderBlock(eqx.Module):
             attention=attention,
             segment_ids=segment_ids,
         )
-        x = x + attended
-        return x + self.mlp(self.post_attention_layernorm(x), key=mlp_key, chunk=mlp_chunk), kv
+        if self.pre_feedforward_layernorm is None or self.post_feedforward_layernorm is None:
+            x = x + attended
+            return x + self.mlp(self.post_attention_layernorm(x), key=mlp_key, chunk=mlp_chunk), kv
+        x = x + self.post_attention_layernorm(attended)
+        out = self.mlp(self.pre_feedforward_layernorm(x), key=mlp_key, chunk=mlp_chunk)
+        return x + self.post_feedforward_layernorm(out), kv
 
 
 MLP_CHUNK_BYTES = 256 * 2**20
@@ -297,7 +349,7 @@ decoder call's `mlp_chunk_bytes` is `None`: 256 MiB, on every platform. Planned 
 positions) hold a layer's working set in the backward pass to 12 GiB, 26 GiB unchunked."""
 
 
-def _mlp_chunk(config: MistralConfig, x: Array, chunk_bytes: int | None) -> int | None:
+def _mlp_chunk(config: DecoderConfig, x: Array, chunk_bytes: int | None) -> int | None:
     """The positions per chunk of each layer's MLP on `x` (`[batch, seq, hidden]`), keeping
     `[batch, chunk, intermediate]` within `chunk_bytes`; `None` where the whole sequence does."""
     chunk_bytes = arguments.optional_integer(chunk_bytes, "`mlp_chunk_bytes`", minimum=1)
@@ -308,6 +360,26 @@ def _mlp_chunk(config: MistralConfig, x: Array, chunk_bytes: int | None) -> int 
     if seq * per_position <= chunk_bytes:
         return None
     return chunk_positions(seq, per_position, chunk_bytes)
+
+
+def _rotary(
+    config: DecoderConfig,
+    positions: Int[Array, " seq"],
+    row_positions: Int[Array, "batch seq"] | None,
+    dtype: Any,
+    theta: float,
+    *,
+    local: bool = False,
+) -> tuple[Float[Array, "*rows seq head_dim"], Float[Array, "*rows seq head_dim"]]:
+    """The rotary tables of a call: `[seq, head_dim]`, or one per row for packed rows (each
+    token rotated by its position in its document). `local`: Gemma 3's local rope (the default
+    one at `theta`), else `config.rope_scaling` at `theta`."""
+    rotated = positions if row_positions is None else row_positions.reshape(-1)
+    scaling = None if local else config.rope_scaling
+    cos, sin = rotary_cos_sin(rotated, config.resolved_head_dim, theta, dtype, scaling)
+    if row_positions is not None:
+        cos, sin = cos.reshape(*row_positions.shape, -1), sin.reshape(*row_positions.shape, -1)
+    return cos, sin
 
 
 _INT32_MAX = 2**31 - 1
@@ -332,7 +404,7 @@ class KVCache(eqx.Module):
     @classmethod
     def empty(
         cls,
-        config: MistralConfig,
+        config: DecoderConfig,
         batch_size: int,
         size: int,
         dtype: Any,
@@ -358,8 +430,8 @@ class KVCache(eqx.Module):
 
         The empty [`KVCache`][].
         """
-        if not isinstance(config, MistralConfig):
-            raise TypeError(f"`config` must be a MistralConfig; got {type(config).__name__}.")
+        if not isinstance(config, DecoderConfig):
+            raise TypeError(f"`config` must be a DecoderConfig; got {type(config).__name__}.")
         batch_size = arguments.integer(batch_size, "`batch_size`", minimum=1)
         # Slot positions are int32, and a cache holds every slot of every layer at once.
         size = arguments.integer(size, "`size`", minimum=1, maximum=_INT32_MAX)
@@ -415,22 +487,22 @@ class KVCache(eqx.Module):
         )
 
 
-class Mistral(eqx.Module):
-    """A decoder (Mistral, Llama or Qwen2; `Decoder` is the same class): token embedding,
+class Decoder(eqx.Module):
+    """A decoder of any family `eqx_lean.hf` reads: token embedding,
     stacked decoder blocks, final RMSNorm, LM head.
 
     `layers` is a single [`DecoderBlock`][] whose array leaves carry a leading layer axis (as
     built by [`eqx_lean.build_stacked`][]). `lm_head` is `None` when the config ties the head
     to the embedding (`tie_word_embeddings`): the embedding matrix is then the head. Call the
     model on `input_ids` of shape `[batch, seq]` for logits `[batch, seq, vocab]`; use
-    [`Mistral.step`][] with a [`KVCache`][] for incremental decoding.
+    [`Decoder.step`][] with a [`KVCache`][] for incremental decoding.
     """
 
     embed_tokens: eqx.nn.Embedding
     layers: DecoderBlock
     norm: RMSNorm
     lm_head: eqx.nn.Linear | None
-    config: MistralConfig = eqx.field(static=True)
+    config: DecoderConfig = eqx.field(static=True)
 
     @property
     def dtype(self) -> Any:
@@ -455,15 +527,20 @@ class Mistral(eqx.Module):
             raise ValueError(f"`input_ids` must have shape [batch, seq]; got {input_ids.shape}.")
         x = embed(self.embed_tokens.weight, input_ids)
         config = self.config
+        if config.scale_embeddings:
+            # Gemma: times sqrt(hidden), rounded to the model's dtype first, as transformers.
+            x = x * jnp.asarray(config.hidden_size**0.5, x.dtype)
         mlp_chunk = _mlp_chunk(config, x, mlp_chunk_bytes)
-        # Packed rows rotate each token by its position in its document: one table per row.
-        rotated = positions if row_positions is None else row_positions.reshape(-1)
-        rotary = rotary_cos_sin(
-            rotated, config.resolved_head_dim, config.rope_theta, x.dtype, config.rope_scaling
-        )
-        if row_positions is not None:
-            cos, sin = rotary
-            rotary = (cos.reshape(*row_positions.shape, -1), sin.reshape(*row_positions.shape, -1))
+        rotary = _rotary(config, positions, row_positions, x.dtype, config.rope_theta)
+        # Gemma 3's sliding layers rotate with their own base: both tables, chosen per layer.
+        local = config.local_rope_layers
+        local_rotary, layer_local = None, None
+        if local is not None:
+            assert config.rope_local_base_freq is not None
+            local_rotary = _rotary(
+                config, positions, row_positions, x.dtype, config.rope_local_base_freq, local=True
+            )
+            layer_local = jnp.asarray(local, jnp.bool_)
         keep_kv = past is not None
         # One key per layer, sliced by the scan like the cache.
         layer_keys = None if key is None else jax.random.split(key, config.num_hidden_layers)
@@ -479,13 +556,19 @@ class Mistral(eqx.Module):
         def call(
             block: DecoderBlock,
             x: Array,
-            per_layer: tuple[KV | None, PRNGKeyArray | None, Int[Array, ""] | None],
+            per_layer: tuple[KV | None, PRNGKeyArray | None, Int[Array, ""] | None, Any],
         ) -> tuple[Array, KV | None]:
-            past_i, key_i, window_i = per_layer
+            past_i, key_i, window_i, local_i = per_layer
             window = windows[0] if uniform else window_i
+            layer_rotary = rotary
+            if local_rotary is not None:
+                layer_rotary = (
+                    jnp.where(local_i, local_rotary[0], rotary[0]),
+                    jnp.where(local_i, local_rotary[1], rotary[1]),
+                )
             x, kv = block(
                 x,
-                rotary,
+                layer_rotary,
                 positions,
                 past_i,
                 past_positions,
@@ -498,14 +581,19 @@ class Mistral(eqx.Module):
             return x, (kv if keep_kv else None)
 
         x, new_kv = eqx_lean.scan(
-            self.layers, x, (past, layer_keys, layer_windows), call=call, remat=remat
+            self.layers, x, (past, layer_keys, layer_windows, layer_local), call=call, remat=remat
         )
         x = self.norm(x)
         if final_hidden:
             return x, new_kv
         if self.lm_head is None:
-            return linear_product(x, self.embed_tokens.weight), new_kv
-        return _project(self.lm_head, x), new_kv
+            logits = linear_product(x, self.embed_tokens.weight)
+        else:
+            logits = _project(self.lm_head, x)
+        cap = config.final_logit_softcapping
+        if cap is not None:  # Gemma 2, in the logits' dtype as transformers
+            logits = jnp.tanh(logits / cap) * cap
+        return logits, new_kv
 
     def __call__(
         self,
@@ -646,15 +734,21 @@ def _linear(
     return linear
 
 
-def _rms_norm(config: MistralConfig, norm_std: float, *, key: PRNGKeyArray) -> RMSNorm:
-    weight = jnp.ones((config.hidden_size,), jnp.float32)
+def _rms_norm(
+    config: DecoderConfig, norm_std: float, *, key: PRNGKeyArray, size: int | None = None
+) -> RMSNorm:
+    """A norm of `size` (`None`: `hidden_size`) that starts as the identity: weight 1, or 0
+    where the norm multiplies by `1 + w` (Gemma, as transformers initialises it)."""
+    size = config.hidden_size if size is None else size
+    offset = bool(config.norm_unit_offset)
+    weight = jnp.full((size,), 0.0 if offset else 1.0, jnp.float32)
     if norm_std:
-        weight = weight + _normal(key, (config.hidden_size,), norm_std)
-    return RMSNorm(weight, config.rms_norm_eps)
+        weight = weight + _normal(key, (size,), norm_std)
+    return RMSNorm(weight, config.rms_norm_eps, offset)
 
 
 def make_block(
-    config: MistralConfig,
+    config: DecoderConfig,
     *,
     key: PRNGKeyArray,
     std: float | None = None,
@@ -668,8 +762,9 @@ def make_block(
     - `key`: the block's random key.
     - `std`: standard deviation of the normal init of every matrix; `None` means
         `config.initializer_range` (0.02, as HF).
-    - `norm_std`: RMSNorm weights are `1 + norm_std * normal` (HF: 0; tests use more, so that
-        norms are not the identity).
+    - `norm_std`: RMSNorm weights are `1 + norm_std * normal` (`norm_std * normal` where the
+        norm multiplies by `1 + w`, Gemma's; HF: 0; tests use more, so that norms are not the
+        identity).
 
     **Returns:**
 
@@ -678,8 +773,12 @@ def make_block(
     std = config.initializer_range if std is None else std
     hidden, inner, head_dim = config.hidden_size, config.intermediate_size, config.resolved_head_dim
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    keys = jax.random.split(key, 9)
+    keys = jax.random.split(key, 13)
     qkv, o, mlp_bias = config.attention_bias, config.o_proj_bias, config.mlp_bias
+    q_norm = k_norm = None
+    if config.qk_norm:
+        q_norm = _rms_norm(config, norm_std, key=keys[9], size=head_dim)
+        k_norm = _rms_norm(config, norm_std, key=keys[10], size=head_dim)
     attention = Attention(
         q_proj=_linear(hidden, heads * head_dim, std, key=keys[0], bias=qkv),
         k_proj=_linear(hidden, kv_heads * head_dim, std, key=keys[1], bias=qkv),
@@ -688,17 +787,29 @@ def make_block(
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
+        q_norm=q_norm,
+        k_norm=k_norm,
+        scale=config.attention_scale,
+        soft_cap=config.attn_logit_softcapping,
     )
+    assert config.hidden_act is not None
     mlp = MLP(
         gate_proj=_linear(hidden, inner, std, key=keys[4], bias=mlp_bias),
         up_proj=_linear(hidden, inner, std, key=keys[5], bias=mlp_bias),
         down_proj=_linear(inner, hidden, std, key=keys[6], bias=mlp_bias),
+        activation=config.hidden_act,
     )
+    pre_feedforward = post_feedforward = None
+    if config.post_norms:
+        pre_feedforward = _rms_norm(config, norm_std, key=keys[11])
+        post_feedforward = _rms_norm(config, norm_std, key=keys[12])
     return DecoderBlock(
         input_layernorm=_rms_norm(config, norm_std, key=keys[7]),
         self_attn=attention,
         post_attention_layernorm=_rms_norm(config, norm_std, key=keys[8]),
         mlp=mlp,
+        pre_feedforward_layernorm=pre_feedforward,
+        post_feedforward_layernorm=post_feedforward,
     )
 
 
@@ -707,7 +818,7 @@ class _BlockFactory:
     """`make_block` with its settings bound; equal by value, so that `build_stacked` reuses
     its compiled per-layer writes for every model of the same configuration."""
 
-    config: MistralConfig
+    config: DecoderConfig
     std: float | None
     norm_std: float
 
@@ -722,20 +833,20 @@ def _normal_matrix(key: PRNGKeyArray, shape: tuple[int, int], std: float, dtype:
     return _normal(key, shape, std).astype(dtype)
 
 
-def _resolve_dtype(config: MistralConfig, dtype: Any) -> Any:
+def _resolve_dtype(config: DecoderConfig, dtype: Any) -> Any:
     return jnp.dtype(config.dtype if dtype is None else dtype)
 
 
 def init(
-    config: MistralConfig,
+    config: DecoderConfig,
     *,
     key: PRNGKeyArray,
     dtype: Any = None,
     std: float | None = None,
     norm_std: float = 0.0,
     progress: bool = False,
-) -> Mistral:
-    """Builds a randomly initialised Mistral without ever holding it at float32.
+) -> Decoder:
+    """Builds a randomly initialised decoder without ever holding it at float32.
 
     The embedding, head and final norm are built first (each one's float32 temporaries are
     freed before the next), then the blocks with [`eqx_lean.build_stacked`][] one layer at a
@@ -751,7 +862,7 @@ def init(
 
     **Returns:**
 
-    The [`Mistral`][] model (its head tied to the embedding with `tie_word_embeddings`).
+    The [`Decoder`][] model (its head tied to the embedding with `tie_word_embeddings`).
     """
     dtype = _resolve_dtype(config, dtype)
     std = config.initializer_range if std is None else std
@@ -761,14 +872,14 @@ def init(
     if not config.tie_word_embeddings:
         head = _normal_matrix(head_key, (config.vocab_size, config.hidden_size), std, dtype)
     norm = _rms_norm(config, norm_std, key=norm_key)
-    norm = RMSNorm(norm.weight.astype(dtype), norm.eps)
+    norm = RMSNorm(norm.weight.astype(dtype), norm.eps, norm.unit_offset)
     layers = eqx_lean.build_stacked(
         _BlockFactory(config, std, norm_std),
         jax.random.split(layers_key, config.num_hidden_layers),
         dtype,
         progress=progress,
     )
-    return Mistral(
+    return Decoder(
         embed_tokens=eqx.nn.Embedding(weight=embed),
         layers=layers,
         norm=norm,
@@ -777,7 +888,9 @@ def init(
     )
 
 
-Decoder = Mistral
+# The name before issue 45, kept so that pickles naming `_model.Mistral` still load; the public
+# deprecated alias is `eqx_lean.hf.Mistral`, which warns.
+Mistral = Decoder
 
 
 def _linear_from_weight(weight: Float[Array, "out in"]) -> eqx.nn.Linear:

@@ -15,7 +15,7 @@ from .._memory.search import MAX_COMPILES
 from .._memory.targets import Target, mesh_axes as checked_mesh_axes, resolve_target
 from .._scan.remat import Remat, check_remat
 from ._checkpoint import abstract_model
-from ._config import MistralConfig
+from ._config import DecoderConfig
 from ._finetune import _abstract_lora_model, make_lora_step
 from ._train import adamw, next_token_loss
 
@@ -131,7 +131,7 @@ def _on_mesh(trees: Sequence[Any], mesh: Mesh) -> list[Any]:
 
 
 def plan_lora_step(
-    config: MistralConfig,
+    config: DecoderConfig,
     target: "memory.Target | str",
     *,
     batch_size: int,
@@ -145,7 +145,7 @@ def plan_lora_step(
     """XLA's per-device memory plan of one LoRA AdamW step (`make_lora_step`) on a target.
 
     ```python
-    config = eqx_lean.hf.MistralConfig.from_json("config.json")
+    config = eqx_lean.hf.DecoderConfig.from_json("config.json")
     print(eqx_lean.hf.plan_lora_step(config, "8xh100", batch_size=8, seq_len=1024))
     ```
 
@@ -192,7 +192,7 @@ def plan_lora_step(
 
 
 def plan_train_step(
-    config: MistralConfig,
+    config: DecoderConfig,
     target: "memory.Target | str",
     *,
     batch_size: int,
@@ -205,7 +205,7 @@ def plan_train_step(
     target: every weight trained, as [`eqx_lean.hf.make_train_step`][] trains them.
 
     ```python
-    config = eqx_lean.hf.MistralConfig.from_json("config.json")
+    config = eqx_lean.hf.DecoderConfig.from_json("config.json")
     print(eqx_lean.hf.plan_train_step(config, "8xh100", batch_size=8, seq_len=1024))
     ```
 
@@ -239,7 +239,7 @@ def plan_train_step(
 
 
 def longest_context(
-    config: MistralConfig,
+    config: DecoderConfig,
     target: "memory.Target | str",
     *,
     batch_size: int = 1,
@@ -257,7 +257,7 @@ def longest_context(
     at a given batch: "how long a context fits this GPU?", in at most 8 compiles.
 
     ```python
-    config = eqx_lean.hf.MistralConfig.from_json("config.json")
+    config = eqx_lean.hf.DecoderConfig.from_json("config.json")
     found = eqx_lean.hf.longest_context(config, "h100", quantize="nf4", remat="offload")
     print(found.size, found.plan.host)  # tokens per sequence; host bytes the offload takes
     ```

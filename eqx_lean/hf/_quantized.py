@@ -18,7 +18,7 @@ import eqx_lean
 
 from .._targets import dotted
 from ..quant._linear import QuantConfig, chosen_modules
-from ._model import Mistral
+from ._model import Decoder
 
 
 def refuse_prequantized(raw_config: bytes, config_file: str) -> None:
@@ -27,7 +27,7 @@ def refuse_prequantized(raw_config: bytes, config_file: str) -> None:
     try:
         settings = json.loads(raw_config)
     except ValueError:
-        return  # `MistralConfig.from_json_bytes` reports a bad file
+        return  # `DecoderConfig.from_json_bytes` reports a bad file
     if isinstance(settings, dict) and "quantization_config" in settings:
         method = settings["quantization_config"]
         method = method.get("quant_method") if isinstance(method, dict) else method
@@ -107,7 +107,7 @@ def refuse_bitsandbytes(
     )
 
 
-def _chosen_linears(like: Mistral, config: QuantConfig) -> dict[tuple[Any, ...], Any]:
+def _chosen_linears(like: Decoder, config: QuantConfig) -> dict[tuple[Any, ...], Any]:
     """The stacked decoder linears (key path to abstract module) that `config` quantises."""
     chosen = chosen_modules(
         like,
@@ -128,14 +128,14 @@ def _chosen_linears(like: Mistral, config: QuantConfig) -> dict[tuple[Any, ...],
 
 def load_quantized(
     checkpoint: eqx_lean.Checkpoint,
-    like: Mistral,
+    like: Decoder,
     name_of: Any,
     config: QuantConfig,
     strict: bool,
     layers: int | None,
     sharding: Any,
     file_backed: bool = False,
-) -> Mistral:
+) -> Decoder:
     """`like` loaded with the decoder linears `config` chooses quantised as they stream (see
     the module docstring). (`file_backed=True` is refused by `load_tensors`, naming both.)"""
     _chosen_linears(like, config)  # the head and embeddings stay unquantised

@@ -9,7 +9,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._core.sharding import resharded_like
 from ..nn import linear_cross_entropy
-from ._model import Mistral, check_attention
+from ._model import Decoder, check_attention
 
 
 IGNORE_INDEX = -100
@@ -17,7 +17,7 @@ IGNORE_INDEX = -100
 
 
 def next_token_loss(
-    model: Mistral,
+    model: Decoder,
     input_ids: Int[Array, "batch seq"],
     *,
     labels: Int[Array, "batch seq"] | None = None,
@@ -73,9 +73,9 @@ def next_token_loss(
     import equinox as eqx
     import jax
     import jax.numpy as jnp
-    from eqx_lean.hf import MistralConfig, init, next_token_loss
+    from eqx_lean.hf import DecoderConfig, init, next_token_loss
 
-    model = init(MistralConfig.tiny(), key=jax.random.key(0))
+    model = init(DecoderConfig.tiny(), key=jax.random.key(0))
     ids = jnp.arange(16, dtype=jnp.int32).reshape(2, 8)
     labels = ids.at[0, :3].set(-100).at[1, :5].set(-100)  # the prompts: not trained on
     loss = eqx.filter_jit(next_token_loss)(model, ids, labels=labels)
@@ -115,6 +115,7 @@ def next_token_loss(
             targets,
             bias=bias,
             ignore_index=IGNORE_INDEX,
+            logit_soft_cap=model.config.final_logit_softcapping,
             chunk_bytes=chunk_bytes,
             reduction=reduction,
         )
@@ -186,7 +187,7 @@ def make_train_step(optimizer: Any, *, remat: bool = True) -> Any:
 
     @eqx.filter_jit(donate="all-except-first")
     def train_step(
-        model: Mistral, opt_state: Any, input_ids: Array, labels: Array | None = None
+        model: Decoder, opt_state: Any, input_ids: Array, labels: Array | None = None
     ) -> Any:
         loss, grads = eqx.filter_value_and_grad(
             lambda m: next_token_loss(m, input_ids, labels=labels, remat=remat)

@@ -170,7 +170,6 @@ from .._compilation_cache import machine_key as machine_key
 from ..hf import _model as hf_model  # seam module: `_normal_matrix`
 from ..hf._adapters import TARGETS as LORA_TARGETS
 from ..hf._checkpoint import _hf_name as hf_name
-from ..hf._config import DecoderConfig as DecoderConfig
 from ..hf._data import (
     ByteTokenizer as ByteTokenizer,
     batches as batches,
@@ -181,8 +180,13 @@ from ..hf._data import (
 )
 from ..hf._finetune import _abstract_lora_model as abstract_lora_model
 from ..hf._generate import _decode_step as jitted_decode_step  # the public one's compiled core
-from ..hf._model import Decoder as Decoder, RMSNorm as RMSNorm, _mlp_chunk as mlp_chunk
-from ..hf._rope import Llama3Rope as Llama3Rope, inverse_frequencies as inverse_frequencies
+from ..hf._model import RMSNorm as RMSNorm, _mlp_chunk as mlp_chunk
+from ..hf._rope import (
+    Llama3Rope as Llama3Rope,
+    LinearRope as LinearRope,
+    YarnRope as YarnRope,
+    inverse_frequencies as inverse_frequencies,
+)
 
 # --- Lean activations (`eqx_lean.nn`'s private modules) -------------------------------------
 from ..nn._positionwise import chunk_positions as chunk_positions

@@ -5,7 +5,7 @@ Run from the repository root, e.g. `python -m examples.mistral7b --help`.
 """
 
 from eqx_lean.hf import (
-    MistralConfig as MistralConfig,
+    DecoderConfig as DecoderConfig,
     load_adapters as load_adapters,
     load_hf as load_hf,
     save_adapters as save_adapters,

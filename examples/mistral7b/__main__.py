@@ -129,9 +129,9 @@ def _save_with_report(model: Any, path: str) -> None:
 
 
 def build(args: argparse.Namespace) -> None:
-    from eqx_lean.hf import MistralConfig, init
+    from eqx_lean.hf import DecoderConfig, init
 
-    config = MistralConfig.preset(args.preset)
+    config = DecoderConfig.preset(args.preset)
     if args.layers:
         config = dataclasses.replace(config, num_hidden_layers=args.layers)
     if args.dtype:
@@ -300,11 +300,11 @@ def merge_command(args: argparse.Namespace) -> None:
 
 
 def lora_memory_command(args: argparse.Namespace) -> None:
-    from eqx_lean.hf import MistralConfig, step_memory
+    from eqx_lean.hf import DecoderConfig, step_memory
     from eqx_lean.lora import LoraConfig
 
     config = dataclasses.replace(
-        MistralConfig.preset(args.preset), num_hidden_layers=args.layers, dtype=args.dtype
+        DecoderConfig.preset(args.preset), num_hidden_layers=args.layers, dtype=args.dtype
     )
     lora_config = LoraConfig(
         r=args.rank, lora_alpha=2 * args.rank, target_modules=_target_modules(args.targets)

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import PRNGKeyArray
 
-from eqx_lean.hf import Mistral, MistralConfig, adamw, init, make_train_step, next_token_loss
+from eqx_lean.hf import Decoder, DecoderConfig, adamw, init, make_train_step, next_token_loss
 
 
 TEXT_PATH = os.path.join(os.path.dirname(__file__), "data", "declaration_of_independence.txt")
@@ -61,13 +61,13 @@ class TrainSettings:
     seed: int = 0
 
 
-def small_config() -> MistralConfig:
+def small_config() -> DecoderConfig:
     """A 2-layer, width-128 Mistral over bytes (vocab 256), window 32, float32:
-    `MistralConfig.tiny()`, the `--preset tiny` of the command line."""
-    return MistralConfig.tiny()
+    `DecoderConfig.tiny()`, the `--preset tiny` of the command line."""
+    return DecoderConfig.tiny()
 
 
-def held_out_loss(model: Mistral, data: np.ndarray, seq_len: int) -> float:
+def held_out_loss(model: Decoder, data: np.ndarray, seq_len: int) -> float:
     """Mean next-token loss over consecutive non-overlapping windows of the held-out data."""
     count = (len(data) - 1) // seq_len
     windows = data[: count * seq_len].reshape(count, seq_len).astype(np.int32)
@@ -76,12 +76,12 @@ def held_out_loss(model: Mistral, data: np.ndarray, seq_len: int) -> float:
 
 
 def train(
-    config: MistralConfig | None = None,
+    config: DecoderConfig | None = None,
     settings: TrainSettings = TrainSettings(),
     *,
     key: PRNGKeyArray | None = None,
     log_every: int = 50,
-) -> tuple[Mistral, list[float], float]:
+) -> tuple[Decoder, list[float], float]:
     """Trains a fresh model on the bundled text.
 
     **Returns:**

@@ -30,7 +30,7 @@ import eqx_lean
 import eqx_lean.hf
 
 # isort: on
-from eqx_lean.hf import MistralConfig, adamw, init, load_hf, make_lora_step, save_hf
+from eqx_lean.hf import DecoderConfig, adamw, init, load_hf, make_lora_step, save_hf
 from eqx_lean.lora import LoraConfig, add_lora, lora_filter
 
 
@@ -40,7 +40,7 @@ def main() -> None:
         assert module.__file__ is not None
         assert os.path.realpath(module.__file__).startswith(prefix + os.sep), module.__file__
     config = dataclasses.replace(
-        MistralConfig.tiny(), hidden_size=32, intermediate_size=64, vocab_size=64
+        DecoderConfig.tiny(), hidden_size=32, intermediate_size=64, vocab_size=64
     )
     save_hf(init(config, key=jax.random.key(0), std=0.2), "base")
     model = add_lora(
