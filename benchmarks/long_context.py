@@ -13,11 +13,13 @@ Cases (nothing runs, nothing is allocated; the `plan` extra, `JAX_PLATFORMS=cpu`
     H100 with `remat=True` and `"offload"`, torchtune's configuration at batch 2 with
     `"offload"`, and the 8B with a bfloat16 base on a v5e-16 (batch 16, `remat=True`), each
     with its compiles.
+- `qwen3`: `hf.longest_context` of a Qwen3-8B-shaped NF4 LoRA step on one H100, `remat=True`
+    and `"offload"` (issue 45).
 - `tpu_nf4`: the NF4 step against the bfloat16 one at 2,048 tokens on a v5e-16, a v5e-4 and
     4 H100s, 2 and 32 layers: XLA's TPU compiler refuses every NF4 one.
 
     JAX_PLATFORMS=cpu ALLOW_MULTIPLE_LIBTPU_LOAD=1 PYTHONPATH=. \
-        python benchmarks/long_context.py plans torchtune search tpu_nf4
+        python benchmarks/long_context.py plans torchtune search tpu_nf4 qwen3
 """
 
 import argparse
@@ -127,6 +129,38 @@ def search_case() -> None:
         print("  tried: " + ", ".join(f"{s:,} {'fits' if f else 'no'}" for s, _, f in found.tried))
 
 
+QWEN3_8B = hf.DecoderConfig(
+    model_type="qwen3",
+    vocab_size=151_936,
+    hidden_size=4096,
+    intermediate_size=12_288,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    rope_theta=1_000_000.0,
+    sliding_window=None,
+    tie_word_embeddings=False,
+)
+
+
+def qwen3_case() -> None:
+    """Issue 45's bar: a Qwen3-8B-shaped NF4 LoRA step's longest context on one H100."""
+    print("\nhf.longest_context, Qwen3-8B shape, NF4, rank 16 x 7, one H100, batch 1")
+    for remat in (True, "offload"):
+        start = time.perf_counter()
+        found = hf.longest_context(
+            QWEN3_8B, "h100", lora_config=RANK16, quantize="nf4", remat=remat
+        )
+        tried = ", ".join(f"{s:,} {'fits' if f else 'no'}" for s, _, f in found.tried)
+        print(
+            f"remat={remat}: {found.size:,} tokens ({gib(found.plan.needed)}; host "
+            f"{gib(found.plan.host)}), {found.bound:,} does not; {found.compiles} compiles "
+            f"({tried}); {time.perf_counter() - start:.0f} s",
+            flush=True,
+        )
+
+
 def tpu_nf4_case() -> None:
     """The NF4 step on TPUs: refused by XLA at 2,048 tokens whatever the layers and chips,
     where the bfloat16 base plans in about a GiB (and where one H100 plans NF4 in less)."""
@@ -157,6 +191,7 @@ CASES = {
     "torchtune": torchtune_case,
     "search": search_case,
     "tpu_nf4": tpu_nf4_case,
+    "qwen3": qwen3_case,
 }
 
 

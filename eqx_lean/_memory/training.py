@@ -280,7 +280,7 @@ class Fit:
             (
                 _remat_name(r.remat) + (" *" if r is self.best else ""),
                 str(r.batch_size),
-                format_bytes(r.plan.peak) if r.batch_size else "-",
+                format_bytes(r.plan.needed) if r.batch_size else "-",
                 str(r.compiles),
             )
             for r in self.results
@@ -289,7 +289,7 @@ class Fit:
             f"largest batch per remat mode on {self.target} "
             f"({format_bytes(self.device_memory)} per device; * best)"
         )
-        return head + "\n" + table(("remat", "batch", "peak", "compiles"), rows)
+        return head + "\n" + table(("remat", "batch", "needed", "compiles"), rows)
 
     def __str__(self) -> str:
         return self.table()
