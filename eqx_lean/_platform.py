@@ -36,6 +36,16 @@ One choice is a size rather than a trick, measured on both sides:
   MiB on GPUs (JAX reports ROCm GPUs as `"gpu"` too; they are unmeasured). On this project's
   CPU a bfloat16 LoRA step with 64 MiB chunks took 0.80x the textbook step's time: 64 MiB on
   CPUs, and on TPUs, where it is unmeasured.
+- `mlp_chunk_bytes`: the widest activation of one chunk of the HF decoder's MLP
+  (`eqx_lean.nn.positionwise`) when its `mlp_chunk_bytes` is `None`. On this project's CPU,
+  XLA:CPU's plan of a Llama-3.2-1B-shaped bfloat16 LoRA step at 1 x 8,192 tokens holds 2.97 GiB
+  of temporaries with one chunk (256 MiB would not chunk it), 2.41 with 64 MiB chunks, 1.97
+  with 32 and 1.74 with 16: 32 MiB on CPUs. On GPUs and TPUs 256 MiB (planned for one H100: an
+  8B's step at 131,072 tokens fits, 50.48 GiB, where unchunked it needs 63.11).
+
+A plan made on this machine for another platform (`eqx_lean.memory.plan`) traces its program
+with that platform's choices (`tracing_for`): the sizes above are read while tracing, from the
+platform of the arrays at hand or, inside a trace, the one being planned for.
 
 The measurements behind each trick are in `docs/benchmarks.md`: the CPU side in "Building
 stacked layers" (its list "What brought it there" and the section "Loop-invariant code motion
@@ -44,10 +54,12 @@ without a GPU" (`benchmarks/gpu_target.py`), the loss's chunks in "The loss with
 (`benchmarks/fused_loss.py`, `benchmarks/fused_loss_gpu.py`).
 """
 
+import contextlib
+import contextvars
 import ctypes
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -64,6 +76,12 @@ LOSS_CHUNK_BYTES = 64 * 2**20
 GPU_LOSS_CHUNK_BYTES = 256 * 2**20
 """`Tricks.loss_chunk_bytes` on GPUs: 256 MiB (measured on one H200)."""
 
+MLP_CHUNK_BYTES = 256 * 2**20
+"""`Tricks.mlp_chunk_bytes` on GPUs and TPUs: 256 MiB (planned for one H100)."""
+
+CPU_MLP_CHUNK_BYTES = 32 * 2**20
+"""`Tricks.mlp_chunk_bytes` on CPUs: 32 MiB (XLA:CPU's plans of a 1B step, measured here)."""
+
 _GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 
 
@@ -78,6 +96,7 @@ class Tricks:
     trim_host_heap: bool = False
     host_writes: bool = False
     loss_chunk_bytes: int = LOSS_CHUNK_BYTES
+    mlp_chunk_bytes: int = MLP_CHUNK_BYTES
 
     @classmethod
     def for_platform(cls, platform: str) -> "Tricks":
@@ -93,6 +112,7 @@ class Tricks:
             loss_chunk_bytes=(
                 GPU_LOSS_CHUNK_BYTES if platform in _GPU_PLATFORMS else LOSS_CHUNK_BYTES
             ),
+            mlp_chunk_bytes=CPU_MLP_CHUNK_BYTES if on_cpu else MLP_CHUNK_BYTES,
         )
 
     def compiler_options(self) -> dict[str, str]:
@@ -103,8 +123,27 @@ class Tricks:
 
 
 # Test seam: tests/test_platform.py makes every program a GPU's.
+# The platform `eqx_lean.memory.plan` is tracing a program for (`tracing_for`), if any.
+_planned_for: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "eqx_lean_planned_for", default=None
+)
+
+
+@contextlib.contextmanager
+def tracing_for(platform: str) -> Iterator[None]:
+    """Within the block, `platform_of` without shardings answers `platform`: a program traced
+    here for another platform's devices (a plan for GPUs made on a CPU) takes that platform's
+    choices, as a run there would."""
+    token = _planned_for.set(platform)
+    try:
+        yield
+    finally:
+        _planned_for.reset(token)
+
+
 def platform_of(shardings: tuple[Sharding | None, ...] | list[Sharding | None]) -> str:
-    """The platform a program over arrays with these shardings runs on (default: the backend's).
+    """The platform a program over arrays with these shardings runs on (default: the platform
+    being planned for, inside `tracing_for`, else the backend's).
 
     A GPU device reports `"gpu"` (only `"cpu"` selects tricks, so `"cuda"` and `"rocm"` need not
     be told apart here).
@@ -112,7 +151,8 @@ def platform_of(shardings: tuple[Sharding | None, ...] | list[Sharding | None]) 
     for sharding in shardings:
         if sharding is not None:
             return next(iter(sharding.device_set)).platform
-    return jax.default_backend()
+    planned = _planned_for.get()
+    return jax.default_backend() if planned is None else planned
 
 
 def lower(

@@ -21,7 +21,7 @@ from harness import TINY_DECODER, assert_bitwise_equal
 
 import eqx_lean
 from eqx_lean import hf, memory
-from eqx_lean.internal import memory_cli_main
+from eqx_lean.internal import Tricks, memory_cli_main, mlp_chunk, platform_tricks
 
 
 needs_gpu_plugin = pytest.mark.skipif(
@@ -233,3 +233,34 @@ def test_cli_max_seq_prints_the_longest_and_its_host_memory(config_file, monkeyp
     host = 2 * longest * 64 * 2
     shown = re.search(r"^host memory \(offloaded\)\s+([\d.]+) KiB$", out, re.MULTILINE)
     assert shown is not None and float(shown.group(1)) == host / 2**10, out
+
+
+# --- the MLP's chunk by platform, and plans traced with the target's choices ----------------
+
+
+@pytest.mark.parametrize(
+    "platform, mlp, loss",
+    [("cpu", 32, 64), ("gpu", 256, 256), ("cuda", 256, 256), ("tpu", 256, 64)],
+)
+def test_chunk_sizes_per_platform(platform, mlp, loss):
+    tricks = Tricks.for_platform(platform)
+    assert (tricks.mlp_chunk_bytes, tricks.loss_chunk_bytes) == (mlp * MiB, loss * MiB)
+
+
+def test_a_trace_for_another_platform_takes_its_choices():
+    # What the decoder reads while tracing: the CPU's chunk here, an H100's inside a plan's
+    # trace for one (`tracing_for`, which `memory.plan` enters), whatever this machine is.
+    config = hf.DecoderConfig(**dict(TINY_DECODER, intermediate_size=4096))
+    x = jax.ShapeDtypeStruct((1, 16_384, config.hidden_size), jnp.bfloat16)
+    per_position = config.intermediate_size * 2  # bfloat16: 8 KiB a position
+
+    def chunk():
+        found = []
+        jax.eval_shape(lambda x: found.append(mlp_chunk(config, x, None)), x)
+        return found[0]
+
+    assert chunk() == 32 * MiB // per_position  # 4,096 positions a chunk on this CPU
+    with platform_tricks.tracing_for("gpu"):
+        assert platform_tricks.platform_of([]) == "gpu"
+        assert chunk() is None  # 128 MiB in all: one chunk within a GPU's 256 MiB
+    assert platform_tricks.platform_of([]) == jax.default_backend()

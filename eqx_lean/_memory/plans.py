@@ -11,6 +11,7 @@ import jax
 import numpy as np
 from jax.sharding import Sharding, SingleDeviceSharding
 
+from .. import _platform
 from .._core import shard_bytes, struct_of
 from .table import MiB, format_bytes, table
 from .targets import Target, placed_on, resolve_target
@@ -286,7 +287,9 @@ def plan(
         return fn(*eqx.combine(dynamic_args, static))
 
     start = time.perf_counter()
-    traced = jax.jit(call, donate_argnums=donated).trace(*dynamic)
+    # Traced with the target's choices (chunk sizes), not this machine's (`_platform`).
+    with _platform.tracing_for(where.platform):
+        traced = jax.jit(call, donate_argnums=donated).trace(*dynamic)
     _check_constants(fn, traced.jaxpr.consts)
     lowered = traced.lower()
     try:

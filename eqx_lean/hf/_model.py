@@ -28,12 +28,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
+from jax.core import Tracer
 from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 import eqx_lean
 
-from .. import _arguments as arguments
+from .. import _arguments as arguments, _platform
 from .._core.sharding import explicit_type_sharding, like_last_axis, resharded_like
 from .._product import linear_product
 from ..nn import attention as blockwise_attention, positionwise
@@ -342,19 +343,25 @@ class DecoderBlock(eqx.Module):
         return x + self.post_feedforward_layernorm(out), kv
 
 
-MLP_CHUNK_BYTES = 256 * 2**20
+MLP_CHUNK_BYTES = _platform.MLP_CHUNK_BYTES
 """The most bytes of one chunk's widest MLP activation (`[batch, chunk, intermediate]`) when a
-decoder call's `mlp_chunk_bytes` is `None`: 256 MiB, on every platform. Planned for one H100
-(`docs/benchmarks.md`, issue 44): at 131,072 tokens of an 8B Llama, 15 or 16 chunks (8,192
-positions) hold a layer's working set in the backward pass to 12 GiB, 26 GiB unchunked."""
+decoder call's `mlp_chunk_bytes` is `None`, on GPUs and TPUs: 256 MiB. Planned for one H100
+(`docs/benchmarks.md`, issue 44): at 131,072 tokens of an 8B Llama, chunks of 8,192 positions
+bring the step from 63.11 GiB to 50.48. On CPUs the default is 32 MiB (measured: a 1B
+bfloat16 LoRA step at 1 x 8,192 tokens plans 1.97 GiB of XLA:CPU temporaries, 2.97 with one
+chunk)."""
 
 
 def _mlp_chunk(config: DecoderConfig, x: Array, chunk_bytes: int | None) -> int | None:
     """The positions per chunk of each layer's MLP on `x` (`[batch, seq, hidden]`), keeping
-    `[batch, chunk, intermediate]` within `chunk_bytes`; `None` where the whole sequence does."""
+    `[batch, chunk, intermediate]` within `chunk_bytes` (`None`: the platform's, that of `x`'s
+    devices where it is placed, else the one traced for); `None` where the whole sequence
+    does."""
     chunk_bytes = arguments.optional_integer(chunk_bytes, "`mlp_chunk_bytes`", minimum=1)
     if chunk_bytes is None:
-        chunk_bytes = MLP_CHUNK_BYTES
+        placed = isinstance(x, jax.Array) and not isinstance(x, Tracer)
+        platform = _platform.platform_of([x.sharding] if placed else [])
+        chunk_bytes = _platform.Tricks.for_platform(platform).mlp_chunk_bytes
     batch, seq = x.shape[0], x.shape[1]
     per_position = batch * config.intermediate_size * x.dtype.itemsize
     if seq * per_position <= chunk_bytes:
@@ -626,8 +633,8 @@ class Decoder(eqx.Module):
             activation (`[batch, chunk, intermediate]` in the model's dtype) stays within
             this many bytes ([`eqx_lean.nn.positionwise`][]), so that a long sequence's MLP
             holds one chunk's activations, in the forward and the backward pass. `None`:
-            256 MiB ([`eqx_lean.hf.MLP_CHUNK_BYTES`][]); a sequence within it is one
-            chunk, computed as without chunking.
+            the platform's, 256 MiB on GPUs and TPUs ([`eqx_lean.hf.MLP_CHUNK_BYTES`][]),
+            32 MiB on CPUs; a sequence within it is one chunk, computed as without chunking.
 
         **Returns:**
 

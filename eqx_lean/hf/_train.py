@@ -61,7 +61,7 @@ def next_token_loss(
         [`pack_documents`][eqx_lean.hf.pack_documents], which mask each document's first
         token); `None` for one sequence per row.
     - `mlp_chunk_bytes`: as for the model's call: the MLP's activations are those of chunks of
-        positions within this many bytes (`None`: [`MLP_CHUNK_BYTES`][eqx_lean.hf.MLP_CHUNK_BYTES]).
+        positions within this many bytes (`None`: the platform's, as for the model's call).
 
     **Returns:**
 
