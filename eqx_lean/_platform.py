@@ -24,6 +24,10 @@ the platform it is compiled for (`Tricks.for_platform`), never globally:
   which slices bfloat16 in float32, does not hoist a float32 copy of the whole stack. The
   per-layer gather (`_scan.gather`) puts one before its constraints too: on Auto axes XLA:CPU would
   otherwise relayout the whole stack's shard to suit the gathered slice.
+  Elsewhere the evidence is mixed (`benchmarks/private_paths.py`): on an H100 target it takes
+  a 16-layer `fold` gradient from 33.06 to 17.03 MiB but raises a Llama-8B NF4 LoRA step at
+  131,072 tokens from 50.48 to 52.44 GiB; on a v5e it changes the first by at most 0.01 MiB
+  and lowers an 8B bfloat16 step by 0.11 GiB per chip. So it stays CPU-only.
 - `host_writes`: loads copy file data with NumPy straight into the memory of freshly allocated
   CPU buffers (`host_view`), which is host memory: no compiled write, no staged copy. Elsewhere
   device memory is not host memory, and loads use compiled, donated chunk writes.
@@ -37,8 +41,9 @@ One choice is a size rather than a trick, measured on both sides:
   CPU a bfloat16 LoRA step with 64 MiB chunks took 0.80x the textbook step's time: 64 MiB on
   CPUs, and on TPUs, where it is unmeasured.
 
-The measurements behind each trick are in `docs/benchmarks.md`: the CPU side in "Building
-stacked layers" (its list "What brought it there" and the section "Loop-invariant code motion
+The measurements behind each trick are in `docs/benchmarks.md` (every private-JAX path and the
+barrier, on and off, for this CPU, an H100 and a v5e, in "Private JAX paths per platform"): the
+CPU side in "Building stacked layers" (its list "What brought it there" and the section "Loop-invariant code motion
 in the writes"), the H100-target figures that decide the non-CPU side in "Compiled for an H100
 without a GPU" (`benchmarks/gpu_target.py`), the loss's chunks in "The loss without the logits"
 (`benchmarks/fused_loss.py`, `benchmarks/fused_loss_gpu.py`).
