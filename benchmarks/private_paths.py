@@ -31,8 +31,10 @@ The private paths of `eqx_lean/_compat.py`, and the figure each exists to change
     no compiled program.
 
 And scan's optimisation barrier (`_platform.barrier_on_cpu`, public API but a per-platform
-choice): the same `fold` gradients with `lax.optimization_barrier` lowered on every platform
-("on") and on none ("off"), the private primitive on; and, since the barrier is a choice for
+choice, read as a module attribute by the `_scan` loops and the per-layer gather; the one
+`quant/_ops.py` imports by name is left as it is): the same `fold` gradients with
+`lax.optimization_barrier` lowered on every platform ("on") and on none ("off"), the private
+primitive on; and, since the barrier is a choice for
 whole programs, the plan of a Llama-3.1-8B-shaped LoRA step (`benchmarks/long_context.py`'s:
 NF4 at 1 x 131,072 tokens on the H100; on the v5e, which refuses the NF4 step, the bfloat16 base
 at 4 x 2,048 on 4 chips), `Plan.needed`, barrier on and off (not compiled for CPU).
