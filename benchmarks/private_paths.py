@@ -30,14 +30,15 @@ The private paths of `eqx_lean/_compat.py`, and the figure each exists to change
 - `refuse_as_jax_value`: an error message for a misused type, registered at import; it changes
     no compiled program.
 
-And scan's optimisation barrier (`_platform.barrier_on_cpu`, public API but a per-platform
-choice, read as a module attribute by the `_scan` loops and the per-layer gather; the one
-`quant/_ops.py` imports by name is left as it is): the same `fold` gradients with
-`lax.optimization_barrier` lowered on every platform ("on") and on none ("off"), the private
-primitive on; and, since the barrier is a choice for
-whole programs, the plan of a Llama-3.1-8B-shaped LoRA step (`benchmarks/long_context.py`'s:
-NF4 at 1 x 131,072 tokens on the H100; on the v5e, which refuses the NF4 step, the bfloat16 base
-at 4 x 2,048 on 4 chips), `Plan.needed`, barrier on and off (not compiled for CPU).
+And scan's optimisation barriers (public API but a per-platform choice: `_platform.barrier_on_cpu`
+in the `_scan` loops, `_platform.gather_barrier` in the per-layer gather, both read as module
+attributes; the one `quant/_ops.py` imports by name is left as it is), both switched together: the
+same `fold` gradients with `lax.optimization_barrier` lowered on every platform ("on") and on none
+("off"), the private primitive on; and, since the barrier is a choice for whole programs, the plan
+of a Llama-3.1-8B-shaped LoRA step (`benchmarks/long_context.py`'s: NF4 at 1 x 131,072 tokens on the
+H100; on the v5e, which refuses the NF4 step, the bfloat16 base at 4 x 2,048 on 4 chips),
+`Plan.needed`, barrier on and off (not compiled for CPU); and each barrier alone (the other lowered
+nowhere) in the bfloat16 step at 4 x 2,048 on 4 H100s and on a v5e-4.
 """
 
 import argparse
@@ -170,6 +171,25 @@ def _forward_mode(target: str) -> dict[str, str]:
     return {"jax.jvp": "compiles"}
 
 
+def _llama_step_sharded(target: str) -> dict[str, int]:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from fused_loss import ALL_SEVEN, LLAMA_8B
+
+    from eqx_lean import hf, lora
+
+    rank16 = lora.LoraConfig(r=16, lora_alpha=32, target_modules=ALL_SEVEN)
+    plan = hf.plan_lora_step(
+        LLAMA_8B,
+        "4xh100" if target == "h100" else target,
+        batch_size=4,
+        seq_len=2048,
+        lora_config=rank16,
+        quantize=None,
+        remat=True,
+    )
+    return {"needed": plan.needed}
+
+
 def _llama_step(target: str) -> dict[str, int]:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from fused_loss import ALL_SEVEN, LLAMA_8B
@@ -200,9 +220,15 @@ def _worker(spec: dict[str, Any]) -> dict[str, Any]:
     from eqx_lean import _compat, _platform
 
     figure, target, on = spec["figure"], spec["target"], spec["on"]
-    if figure in ("barrier", "barrier-8b"):
-        barrier = lax.optimization_barrier if on else (lambda values: values)
-        _platform.barrier_on_cpu = barrier  # the by-index loops read it from the module
+    barrier = lax.optimization_barrier if on else (lambda values: values)
+    none = lambda values: values  # noqa: E731
+    if figure in ("barrier", "barrier-8b"):  # both barriers (read from the module)
+        _platform.barrier_on_cpu = _platform.gather_barrier = barrier
+    if figure in ("loops-8b", "gather-8b"):  # one of them, the other lowered nowhere
+        loops = figure == "loops-8b"
+        _platform.barrier_on_cpu = barrier if loops else none
+        _platform.gather_barrier = none if loops else barrier
+        return _llama_step_sharded(target)
     off = not on and figure in ("scan", "scan-jvp", "threefry")
     context = _compat.without_private_jax() if off else contextlib.nullcontext()
     with context:
@@ -237,6 +263,15 @@ FIGURES = {
         "(on: every platform; off: none)",
         "`fold` gradient temporaries, adapters / whole stack",
     ),
+    "loops-8b": (
+        "the barrier in the `_scan` loops only (on: every platform; off: none)",
+        "Llama-3.1-8B-shaped LoRA step, bfloat16 base, 4 x 2,048 on 4 chips (4 H100s, a v5e-4), "
+        "`Plan.needed` per device",
+    ),
+    "gather-8b": (
+        "the barrier in the per-layer gather only (on: every platform; off: none)",
+        "the same",
+    ),
     "barrier-8b": (
         "`_platform.barrier_on_cpu`, the same (on: every platform; off: none)",
         "Llama-3.1-8B-shaped LoRA step (rank 16 x 7, `remat=True`), `Plan.needed`: H100 NF4 "
@@ -254,7 +289,7 @@ def _measure(figure: str, target: str, on: bool) -> dict[str, int]:
 
 
 def _cell(figure: str, values: dict[str, Any]) -> str:
-    if figure == "barrier-8b":
+    if figure.endswith("8b"):
         return " / ".join(f"{v / 2**30:.2f} GiB" for v in values.values())
     return " / ".join(v if isinstance(v, str) else f"{v / 2**20:.2f}" for v in values.values())
 
@@ -285,7 +320,7 @@ def main() -> None:
     chosen = FIGURES if args.figure == "all" else {args.figure: FIGURES[args.figure]}
     for figure, (path, what) in chosen.items():
         cells = [
-            "-" if figure == "barrier-8b" and t == "cpu" else _cell(figure, _measure(figure, t, on))
+            "-" if figure.endswith("8b") and t == "cpu" else _cell(figure, _measure(figure, t, on))
             for t in TARGETS
             for on in (True, False)
         ]
