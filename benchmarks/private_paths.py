@@ -217,20 +217,20 @@ def _worker(spec: dict[str, Any]) -> dict[str, Any]:
 
     from jax import lax
 
-    from eqx_lean import _compat, _platform
+    from eqx_lean.internal import platform_tricks, without_private_jax
 
     figure, target, on = spec["figure"], spec["target"], spec["on"]
     barrier = lax.optimization_barrier if on else (lambda values: values)
     none = lambda values: values  # noqa: E731
     if figure in ("barrier", "barrier-8b"):  # both barriers (read from the module)
-        _platform.barrier_on_cpu = _platform.gather_barrier = barrier
+        platform_tricks.barrier_on_cpu = platform_tricks.gather_barrier = barrier
     if figure in ("loops-8b", "gather-8b"):  # one of them, the other lowered nowhere
         loops = figure == "loops-8b"
-        _platform.barrier_on_cpu = barrier if loops else none
-        _platform.gather_barrier = none if loops else barrier
+        platform_tricks.barrier_on_cpu = barrier if loops else none
+        platform_tricks.gather_barrier = none if loops else barrier
         return _llama_step_sharded(target)
     off = not on and figure in ("scan", "scan-jvp", "threefry")
-    context = _compat.without_private_jax() if off else contextlib.nullcontext()
+    context = without_private_jax() if off else contextlib.nullcontext()
     with context:
         if figure == "threefry":
             return _build_writes(target)
