@@ -21,9 +21,15 @@ the platform it is compiled for (`Tricks.for_platform`), never globally:
   temporaries to the system (CPU programs with glibc only: elsewhere temporaries live in the
   device's own pool).
 - scan's optimisation barrier (`barrier_on_cpu`): ties the stack to the loop index so XLA:CPU,
-  which slices bfloat16 in float32, does not hoist a float32 copy of the whole stack. The
-  per-layer gather (`_scan.gather`) puts one before its constraints too: on Auto axes XLA:CPU would
-  otherwise relayout the whole stack's shard to suit the gathered slice.
+  which slices bfloat16 in float32, does not hoist a float32 copy of the whole stack.
+  Elsewhere the evidence is mixed (`benchmarks/private_paths.py`): on an H100 target it takes
+  a 16-layer `fold` gradient from 33.06 to 17.03 MiB but raises a Llama-8B NF4 LoRA step at
+  131,072 tokens from 50.48 to 52.44 GiB; on a v5e it changes neither the first nor an 8B
+  bfloat16 step on 4 chips. So it stays CPU-only.
+- the per-layer gather's barrier (`gather_barrier`, `_scan.gather`), before its constraints: on
+  Auto axes XLA:CPU would otherwise relayout the whole stack's shard to suit the gathered
+  slice; on a v5e-4 it lowers an 8B bfloat16 LoRA step's plan by 0.11 GiB per chip, on 4 H100s
+  it changes nothing. So CPU and TPU (`GATHER_BARRIER_PLATFORMS`).
 - `host_writes`: loads copy file data with NumPy straight into the memory of freshly allocated
   CPU buffers (`host_view`), which is host memory: no compiled write, no staged copy. Elsewhere
   device memory is not host memory, and loads use compiled, donated chunk writes.
@@ -47,11 +53,12 @@ A plan made on this machine for another platform (`eqx_lean.memory.plan`) traces
 with that platform's choices (`tracing_for`): the sizes above are read while tracing, from the
 platform of the arrays at hand or, inside a trace, the one being planned for.
 
-The measurements behind each trick are in `docs/benchmarks.md`: the CPU side in "Building
-stacked layers" (its list "What brought it there" and the section "Loop-invariant code motion
-in the writes"), the H100-target figures that decide the non-CPU side in "Compiled for an H100
-without a GPU" (`benchmarks/gpu_target.py`), the loss's chunks in "The loss without the logits"
-(`benchmarks/fused_loss.py`, `benchmarks/fused_loss_gpu.py`).
+The measurements behind each trick are in `docs/benchmarks.md` (every private-JAX path and the
+barriers, on and off, for this CPU, an H100 and a v5e, in "Private JAX paths per platform"):
+the CPU side in "Building stacked layers" (its list "What brought it there" and the section
+"Loop-invariant code motion in the writes"), the H100-target figures that decide the non-CPU
+side in "Compiled for an H100 without a GPU" (`benchmarks/gpu_target.py`), the loss's chunks in
+"The loss without the logits" (`benchmarks/fused_loss.py`, `benchmarks/fused_loss_gpu.py`).
 """
 
 import contextlib
@@ -199,13 +206,33 @@ def release_freed_host_memory(tricks: Tricks) -> None:
         trim(0)
 
 
-def barrier_on_cpu(values: Any) -> Any:
-    """`lax.optimization_barrier(values)` in programs lowered for CPU; `values` elsewhere.
+def barrier_on(values: Any, platforms: tuple[str, ...]) -> Any:
+    """`lax.optimization_barrier(values)` in programs lowered for one of `platforms` (`"cpu"`,
+    `"cuda"`, `"rocm"`, `"tpu"`); `values` elsewhere.
 
     Used inside traces whose platform is not known yet (a user's `jit`): the choice is made
     when the program is lowered.
     """
-    return lax.platform_dependent(values, cpu=lax.optimization_barrier, default=lambda x: x)
+    barriers = dict.fromkeys(platforms, lax.optimization_barrier)
+    return lax.platform_dependent(values, **barriers, default=lambda x: x)
+
+
+def barrier_on_cpu(values: Any) -> Any:
+    """`lax.optimization_barrier(values)` in programs lowered for CPU; `values` elsewhere."""
+    return barrier_on(values, ("cpu",))
+
+
+GATHER_BARRIER_PLATFORMS = ("cpu", "tpu")
+"""Where the per-layer gather (`_scan.gather`) puts a barrier before its constraints: XLA:CPU
+(a relayout of the whole stack's shard otherwise) and TPUs (a Llama-8B bfloat16 LoRA step on a
+v5e-4 plans 5.87 GiB per chip with it, 5.98 without); on 4 H100s the same step plans the same
+either way (`benchmarks/private_paths.py`, docs/benchmarks.md "Private JAX paths per
+platform")."""
+
+
+def gather_barrier(values: Any) -> Any:
+    """`lax.optimization_barrier(values)` in programs lowered for `GATHER_BARRIER_PLATFORMS`."""
+    return barrier_on(values, GATHER_BARRIER_PLATFORMS)
 
 
 def host_view(array: jax.Array) -> np.ndarray | None:

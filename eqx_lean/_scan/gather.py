@@ -153,8 +153,8 @@ def gathered_step(step: _Step, shardings: _GatherShardings) -> _Step:
         # attached and gives the whole stack a new layout to suit it: a copy of the stack's
         # shard before the loop (52 MiB per device beside a 26 MiB layer on 8 devices in
         # `benchmarks/sharded_forward.py`). After the barrier the slice is a layer of its own.
-        # Measured on XLA:CPU only, so only programs lowered for CPU get it.
-        leaves = _platform.barrier_on_cpu(leaves)
+        # On TPUs it pays too (`_platform.GATHER_BARRIER_PLATFORMS`); on GPUs it changes nothing.
+        leaves = _platform.gather_barrier(leaves)
         return [x if s is None else constrain(x, s) for x, s in zip(leaves, shardings, strict=True)]
 
     # Saved as residuals, the gathered layers of a whole stack would be held at once.
