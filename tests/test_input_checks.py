@@ -86,6 +86,13 @@ def test_a_quantized_array_used_as_an_array_says_what_it_supports(weight, use):
     assert "dense array" in message, message
 
 
+def test_a_jax_primitive_refuses_a_quantized_array_on_every_path(weight):
+    # Where the private hook is not used (another JAX, `EQX_LEAN_NO_PRIVATE_JAX=1`), the
+    # message is JAX's own, but the primitive must still refuse, never compute on the codes.
+    with pytest.raises(TypeError, match="dot_general"):
+        jax.lax.dot(weight, _ones(64))
+
+
 def test_a_quantized_array_is_still_a_pytree_and_a_module(weight):
     """What the refusals must leave alone: Equinox's equality and hash of modules (static
     fields, caches), `eqx.tree_equal`, flattening, `eqx.filter_jit`."""
