@@ -116,7 +116,7 @@ def search(
     # The bracket's ends as false position weighs them: bytes needed less the memory. An end
     # kept twice in a row has its weight halved (the Illinois rule), so that a kink in the
     # bytes (XLA changing its plan with the size) cannot hold the other end in place.
-    excess = {size: plan.needed - memory for size, plan in plans.items()}
+    excess: dict[int, float] = {size: plan.needed - memory for size, plan in plans.items()}
     kept: str | None = None
     while hi - lo > multiple and (max_compiles is None or len(plans) < max_compiles):
         if hi > top:
