@@ -608,10 +608,19 @@ def _blocks_and_inputs() -> dict[str, Any]:
     }
 
 
-@prelude("eqx_lean.hf._plan:plan_lora_step", "eqx_lean.hf._plan:plan_train_step")
+@prelude(
+    "eqx_lean.hf._plan:plan_lora_step",
+    "eqx_lean.hf._plan:plan_train_step",
+    "eqx_lean.hf._plan:longest_context",
+)
 def _config_json() -> dict[str, Any]:
     pathlib.Path("config.json").write_text(json.dumps(tiny_mistral_config().to_hf()))
     return {}
+
+
+@prelude("eqx_lean._memory.search:longest")
+def _decoder_config() -> dict[str, Any]:
+    return {"config": tiny_mistral_config()}
 
 
 @prelude("eqx_lean.lora._lora:add_lora")

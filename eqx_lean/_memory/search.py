@@ -163,7 +163,7 @@ def longest(
     def plan_at(seq_len):
         return eqx_lean.hf.plan_lora_step(config, "h100", batch_size=1, seq_len=seq_len)
 
-    found = eqx_lean.memory.longest(plan_at, maximum=2**20, multiple=1024, first=8192)
+    found = eqx_lean.memory.longest(plan_at, maximum=16_384, multiple=1024, first=8192)
     print(found)  # found.size, found.plan
     ```
 

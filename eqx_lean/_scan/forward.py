@@ -21,7 +21,15 @@ from .fallback import nested_scan, scan_layers
 from .gather import Gather, gather_shardings, gathered_step, tie_gradient_shardings
 from .linear_call import has_custom_transpose
 from .public_vjp import differentiated_by_custom_vjp
-from .remat import LAYER_CARRY, SAVE_ALL, Remat, check_remat, checkpointed, resolve_remat
+from .remat import (
+    LAYER_CARRY,
+    SAVE_ALL,
+    Remat,
+    check_remat,
+    checkpointed,
+    reads_names,
+    resolve_remat,
+)
 
 
 Carry = TypeVar("Carry")
@@ -51,13 +59,18 @@ def _carry_mismatch(expected: Any, found: Any, name: str) -> str | None:
 
 
 def _layer_step(
-    static: Any, call: Callable[..., tuple[Any, Any]], carry_name: str
+    static: Any, call: Callable[..., tuple[Any, Any]], carry_name: str, name_carry: bool
 ) -> Callable[[Any, Any, Any], tuple[Any, Any]]:
-    """The function of one layer: `(layer arrays, carry, x_i) -> (carry, y_i)`, checked."""
+    """The function of one layer: `(layer arrays, carry, x_i) -> (carry, y_i)`, checked; with
+    `name_carry`, its carry named `LAYER_CARRY` for a name-based remat policy."""
 
     def step(dynamic: Any, carry: Any, x: Any) -> tuple[Any, Any]:
-        # Named for name-based remat policies (`remat="offload"` keeps it in host memory).
-        carry = jax.tree.map(lambda c: checkpoint_name(c, LAYER_CARRY), carry)
+        if name_carry:
+            # For name-based remat policies (`remat="offload"` keeps it in host memory). Only
+            # then: under Explicit mesh axes the name broke the lean backward of a gathered
+            # stack (`memory.fit`'s example on 8 H100s: "select cases must have the same
+            # shardings"), which policies that read no name do not need.
+            carry = jax.tree.map(lambda c: checkpoint_name(c, LAYER_CARRY), carry)
         out = call(eqx.combine(dynamic, static), carry, x)
         if not (isinstance(out, tuple) and len(out) == 2):
             raise TypeError(
@@ -192,12 +205,12 @@ def _scan(
     dynamic, static, num_layers = checked_stack(stacked, num_layers)
     check_xs(xs, num_layers)
     shardings = gather_shardings(dynamic, gather)
-    step = gathered_step(_layer_step(static, call, carry_name), shardings)
+    policy, group_size = resolve_remat(remat, max(num_layers, 1))
+    step = gathered_step(_layer_step(static, call, carry_name, reads_names(policy)), shardings)
     if num_layers == 0:
         return _empty_scan(step, dynamic, carry, xs)
     dynamic = tie_gradient_shardings(dynamic, shardings)
     step_with, consts = _hoist_closure(step, dynamic, carry, xs)
-    policy, group_size = resolve_remat(remat, num_layers)
 
     def differentiable(consts: list[Array], dynamic: Any, carry: Any, xs: Any) -> Any:
         step = functools.partial(step_with, consts)

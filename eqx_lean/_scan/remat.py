@@ -234,6 +234,16 @@ def resolve_remat(remat: Remat, num_layers: int) -> tuple[LayerPolicy, int | Non
     return remat, None
 
 
+def reads_names(policy: LayerPolicy) -> bool:
+    """Whether a layer policy may select values by name (`checkpoint_name`): any policy but
+    saving everything or nothing, which read no name."""
+    policies = jax.checkpoint_policies
+    return policy != SAVE_ALL and policy not in (
+        policies.nothing_saveable,
+        policies.everything_saveable,
+    )
+
+
 def checkpointed(fn: Callable[..., Any], policy: Policy | None) -> Callable[..., Any]:
     """`jax.checkpoint(fn, policy=policy)`, for functions run in a loop body."""
     # Inside a loop body there is nothing for CSE to merge across iterations, so the

@@ -258,7 +258,9 @@ def longest_context(
 
     ```python
     config = eqx_lean.hf.DecoderConfig.from_json("config.json")
-    found = eqx_lean.hf.longest_context(config, "h100", quantize="nf4", remat="offload")
+    found = eqx_lean.hf.longest_context(
+        config, "h100", quantize="nf4", remat="offload", max_seq_len=65_536
+    )
     print(found.size, found.plan.host)  # tokens per sequence; host bytes the offload takes
     ```
 
