@@ -72,6 +72,7 @@ from typing import Any
 import jax
 import numpy as np
 from jax import lax
+from jax.core import Tracer
 from jax.sharding import Sharding
 
 from . import _compat, _threefry
@@ -134,6 +135,13 @@ class Tricks:
 _planned_for: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "eqx_lean_planned_for", default=None
 )
+
+
+def tricks_of(x: Any) -> "Tricks":
+    """The tricks of a program over `x`: its devices' platform's where `x` is an array already
+    placed, else (inside a trace) that of `platform_of([])`, the platform traced for."""
+    placed = isinstance(x, jax.Array) and not isinstance(x, Tracer)
+    return Tricks.for_platform(platform_of([x.sharding] if placed else []))
 
 
 @contextlib.contextmanager

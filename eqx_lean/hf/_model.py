@@ -28,7 +28,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
-from jax.core import Tracer
 from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
@@ -359,9 +358,7 @@ def _mlp_chunk(config: DecoderConfig, x: Array, chunk_bytes: int | None) -> int 
     does."""
     chunk_bytes = arguments.optional_integer(chunk_bytes, "`mlp_chunk_bytes`", minimum=1)
     if chunk_bytes is None:
-        placed = isinstance(x, jax.Array) and not isinstance(x, Tracer)
-        platform = _platform.platform_of([x.sharding] if placed else [])
-        chunk_bytes = _platform.Tricks.for_platform(platform).mlp_chunk_bytes
+        chunk_bytes = _platform.tricks_of(x).mlp_chunk_bytes
     batch, seq = x.shape[0], x.shape[1]
     per_position = batch * config.intermediate_size * x.dtype.itemsize
     if seq * per_position <= chunk_bytes:

@@ -17,7 +17,6 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.core import Tracer
 from jax.custom_derivatives import SymbolicZero
 from jaxtyping import Array, Float, Int
 
@@ -33,11 +32,9 @@ DEFAULT_CHUNK_BYTES = _platform.LOSS_CHUNK_BYTES
 
 
 def _default_chunk_bytes(hidden: Any) -> int:
-    """The platform's chunk (`eqx_lean._platform`): that of `hidden`'s devices where it is an
-    array already placed, else that of JAX's default backend (inside a trace)."""
-    placed = isinstance(hidden, jax.Array) and not isinstance(hidden, Tracer)
-    shardings = [hidden.sharding] if placed else []
-    return _platform.Tricks.for_platform(_platform.platform_of(shardings)).loss_chunk_bytes
+    """The platform's chunk (`eqx_lean._platform.tricks_of`): that of `hidden`'s devices where
+    it is an array already placed, else that of the platform traced for."""
+    return _platform.tricks_of(hidden).loss_chunk_bytes
 
 
 _F32 = jnp.float32
