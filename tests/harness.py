@@ -15,6 +15,7 @@ change with what the benchmark measures. Tests of the benchmark itself use the b
 
 import contextlib
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -291,6 +292,13 @@ TOLERANCES: dict[str, dict[str, float]] = {
     "cpu": {"loop": 1e-6},
     "gpu": {"loop": 1e-5},
 }
+
+
+needs_gpu_plugin = pytest.mark.skipif(
+    importlib.util.find_spec("jax_plugins.xla_cuda12") is None,
+    reason="the plan-gpu extra (JAX's CUDA plugin) is not installed",
+)
+"""For tests that compile for GPUs this machine lacks (the `plan` extra's CUDA plugin)."""
 
 
 def tolerance(kind: str) -> float:

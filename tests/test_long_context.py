@@ -8,7 +8,6 @@ this CPU (where it compiles to the same program: measured) and, compiled for one
 host bytes counted by hand from the carries' shapes.
 """
 
-import importlib.util
 import json
 import re
 
@@ -17,17 +16,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from harness import TINY_DECODER, assert_bitwise_equal
+from harness import TINY_DECODER, assert_bitwise_equal, needs_gpu_plugin
 
 import eqx_lean
 from eqx_lean import hf, memory
 from eqx_lean.internal import Tricks, memory_cli_main, mlp_chunk, platform_tricks
 
 
-needs_gpu_plugin = pytest.mark.skipif(
-    importlib.util.find_spec("jax_plugins.xla_cuda12") is None,
-    reason="the plan-gpu extra (JAX's CUDA plugin) is not installed",
-)
 MiB = 2**20
 
 

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from harness import TINY_DECODER, subprocess_env
+from harness import TINY_DECODER, needs_gpu_plugin, subprocess_env
 
 import eqx_lean
 from eqx_lean.hf import (
@@ -32,11 +32,6 @@ from eqx_lean.hf import (
 )
 from eqx_lean.internal import memory_cli_main, memory_targets
 
-
-needs_gpu_plugin = pytest.mark.skipif(
-    importlib.util.find_spec("jax_plugins.xla_cuda12") is None,
-    reason="the plan-gpu extra (JAX's CUDA plugin) is not installed",
-)
 
 PROG = "python -m eqx_lean.memory"
 RANK = 4

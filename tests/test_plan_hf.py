@@ -4,7 +4,6 @@ The expected argument bytes are counted from the configuration by hand (the deco
 shapes as Hugging Face defines them), not from the planner's own structs.
 """
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -13,7 +12,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import pytest
-from harness import TINY_DECODER
+from harness import TINY_DECODER, needs_gpu_plugin
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eqx_lean
@@ -26,11 +25,6 @@ from eqx_lean.hf import (
     plan_lora_step,
 )
 
-
-needs_gpu_plugin = pytest.mark.skipif(
-    importlib.util.find_spec("jax_plugins.xla_cuda12") is None,
-    reason="the plan-gpu extra (JAX's CUDA plugin) is not installed",
-)
 
 # Every weight's largest dimension is a multiple of 8, so fsdp over 8 devices splits it evenly.
 TINY: dict[str, Any] = TINY_DECODER
