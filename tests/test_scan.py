@@ -138,9 +138,9 @@ def test_fold_passes_args_kwargs_and_call(mlp, getkey):
     assert_close(found, expected)
 
 
-def test_fold_differentiates_arrays_the_layers_close_over(mlp, getkey):
-    stacked, x, _ = mlp
-    scale = jax.random.normal(getkey(), (DIM,))
+def _scaled_by_a_closed_over_array(stacked):
+    """`fold` of layers that each scale by an array the call closes over, and the same as a
+    Python loop (the oracle), each `(scale, x) -> scalar`."""
 
     def ours(scale, x):
         return jnp.sum(
@@ -151,6 +151,14 @@ def test_fold_differentiates_arrays_the_layers_close_over(mlp, getkey):
         for layer in eqx_lean.unstack(stacked):
             x = layer(x) * scale
         return jnp.sum(jnp.sin(x))
+
+    return ours, loop
+
+
+def test_fold_differentiates_arrays_the_layers_close_over(mlp, getkey):
+    stacked, x, _ = mlp
+    scale = jax.random.normal(getkey(), (DIM,))
+    ours, loop = _scaled_by_a_closed_over_array(stacked)
 
     assert_close(jax.grad(ours, argnums=(0, 1))(scale, x), jax.grad(loop, argnums=(0, 1))(scale, x))
     assert_close(jax.hessian(ours)(scale, x), jax.hessian(loop)(scale, x))
@@ -162,16 +170,7 @@ def test_fold_differentiates_arrays_the_layers_close_over(mlp, getkey):
 def test_fold_differentiates_arrays_the_layers_close_over_in_forward_mode(mlp, getkey):
     stacked, x, _ = mlp
     scale = jax.random.normal(getkey(), (DIM,))
-
-    def ours(scale, x):
-        return jnp.sum(
-            jnp.sin(eqx_lean.fold(stacked, x, (scale,), call=lambda layer, h, s: layer(h) * s))
-        )
-
-    def loop(scale, x):
-        for layer in eqx_lean.unstack(stacked):
-            x = layer(x) * scale
-        return jnp.sum(jnp.sin(x))
+    ours, loop = _scaled_by_a_closed_over_array(stacked)
 
     assert_close(jax.jacfwd(ours)(scale, x), jax.jacfwd(loop)(scale, x))
 
