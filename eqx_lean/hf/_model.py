@@ -88,6 +88,11 @@ class RMSNorm(eqx.Module):
     The statistics are computed in float32. Llama's style (`unit_offset=False`) casts the
     normalised values back to the input dtype before the weight multiplies them; Gemma's
     (`unit_offset=True`) multiplies by `1 + weight` in float32 and then casts.
+
+    Differentiated, it keeps only its input and its weight for the backward pass, which
+    recomputes the rest (`jax.checkpoint`; an elementwise pass): its own residuals would
+    include each position's inverse root broadcast over the hidden axis, a float32 array the
+    size of the input that XLA:CPU holds until the layer's backward pass reaches the norm.
     """
 
     weight: Float[Array, " dim"]
@@ -95,16 +100,22 @@ class RMSNorm(eqx.Module):
     unit_offset: bool = eqx.field(static=True, default=False)
 
     def __call__(self, x: Float[Array, "... dim"]) -> Float[Array, "... dim"]:
-        x32 = x.astype(jnp.float32)
-        normed = x32 * lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
-        if self.unit_offset:
-            weight = like_last_axis(self.weight, x).astype(jnp.float32)
-            return (normed * (1.0 + weight.reshape((1,) * (x.ndim - 1) + (-1,)))).astype(x.dtype)
-        out_dtype = jnp.promote_types(self.weight.dtype, x.dtype)
-        weight = (
-            like_last_axis(self.weight, x).astype(out_dtype).reshape((1,) * (x.ndim - 1) + (-1,))
-        )
-        return weight * normed.astype(x.dtype).astype(out_dtype)
+        norm = functools.partial(_normalised, eps=self.eps, unit_offset=self.unit_offset)
+        return jax.checkpoint(norm, prevent_cse=False)(self.weight, x)
+
+
+def _normalised(
+    weight: Float[Array, " dim"], x: Float[Array, "... dim"], *, eps: float, unit_offset: bool
+) -> Float[Array, "... dim"]:
+    """`RMSNorm`'s computation (see there), which `RMSNorm` checkpoints."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
+    if unit_offset:
+        weight32 = like_last_axis(weight, x).astype(jnp.float32)
+        return (normed * (1.0 + weight32.reshape((1,) * (x.ndim - 1) + (-1,)))).astype(x.dtype)
+    out_dtype = jnp.promote_types(weight.dtype, x.dtype)
+    weight = like_last_axis(weight, x).astype(out_dtype).reshape((1,) * (x.ndim - 1) + (-1,))
+    return weight * normed.astype(x.dtype).astype(out_dtype)
 
 
 def _split_key(key: PRNGKeyArray | None, num: int) -> list[PRNGKeyArray | None]:
