@@ -235,7 +235,7 @@ def test_cli_max_seq_prints_the_longest_and_its_host_memory(config_file, monkeyp
 
 @pytest.mark.parametrize(
     "platform, mlp, loss",
-    [("cpu", 32, 64), ("gpu", 256, 256), ("cuda", 256, 256), ("tpu", 256, 64)],
+    [("cpu", 8, 64), ("gpu", 256, 256), ("cuda", 256, 256), ("tpu", 256, 64)],
 )
 def test_chunk_sizes_per_platform(platform, mlp, loss):
     tricks = Tricks.for_platform(platform)
@@ -254,7 +254,7 @@ def test_a_trace_for_another_platform_takes_its_choices():
         jax.eval_shape(lambda x: found.append(mlp_chunk(config, x, None)), x)
         return found[0]
 
-    assert chunk() == 32 * MiB // per_position  # 4,096 positions a chunk on this CPU
+    assert chunk() == 8 * MiB // per_position  # 1,024 positions a chunk on this CPU
     with platform_tricks.tracing_for("gpu"):
         assert platform_tricks.platform_of([]) == "gpu"
         assert chunk() is None  # 128 MiB in all: one chunk within a GPU's 256 MiB

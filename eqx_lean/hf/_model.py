@@ -357,9 +357,9 @@ MLP_CHUNK_BYTES = _platform.MLP_CHUNK_BYTES
 """The most bytes of one chunk's widest MLP activation (`[batch, chunk, intermediate]`) when a
 decoder call's `mlp_chunk_bytes` is `None`, on GPUs and TPUs: 256 MiB. Planned for one H100
 (`docs/benchmarks.md`, issue 44): at 131,072 tokens of an 8B Llama, chunks of 8,192 positions
-bring the step from 63.11 GiB to 50.48. On CPUs the default is 32 MiB (measured: a 1B
-bfloat16 LoRA step at 1 x 8,192 tokens plans 1.97 GiB of XLA:CPU temporaries, 2.97 with one
-chunk)."""
+bring the step from 63.11 GiB to 50.48. On CPUs the default is 8 MiB (measured: a 1B
+bfloat16 LoRA step at 1 x 8,192 tokens plans 1.55 GiB of XLA:CPU temporaries, 1.84 with 32 MiB
+chunks, 2.97 with one chunk; at 1 x 2,048 it runs no slower)."""
 
 
 def _mlp_chunk(config: DecoderConfig, x: Array, chunk_bytes: int | None) -> int | None:
@@ -642,7 +642,7 @@ class Decoder(eqx.Module):
             this many bytes ([`eqx_lean.nn.positionwise`][]), so that a long sequence's MLP
             holds one chunk's activations, in the forward and the backward pass. `None`:
             the platform's, 256 MiB on GPUs and TPUs ([`eqx_lean.hf.MLP_CHUNK_BYTES`][]),
-            32 MiB on CPUs; a sequence within it is one chunk, computed as without chunking.
+            8 MiB on CPUs; a sequence within it is one chunk, computed as without chunking.
 
         **Returns:**
 
