@@ -7,15 +7,17 @@ blockwise default must equal its eager reference.
 import functools
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from harness import mesh_of
+from harness import mesh_of, pinned_to_cpu
 from jax import lax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from eqx_lean import hf
+from eqx_lean import hf, lora
+from eqx_lean.internal import platform_tricks
 from eqx_lean.nn import attention
 
 
@@ -181,6 +183,45 @@ def test_the_gradient_never_holds_the_scores():
     analysis = jax.jit(grad).lower(*shapes).compile().memory_analysis()
     assert analysis is not None
     assert analysis.temp_size_in_bytes <= 64 * MiB
+
+
+def test_the_narrow_decoders_adapter_gradient_at_16k_tokens():
+    """Issue 43's bar, XLA:CPU's plan (compile only, CPU choices): the adapter gradient of the
+    fused `next_token_loss` (`remat=True`) of a narrow Llama-3-shaped decoder (hidden 256,
+    intermediate 896, 2 layers, 4 heads over 2, vocab 128,256, float32, LoRA rank 16 on all
+    seven projections) at 1 x 16,384 tokens holds at most 512 MiB of temporaries (361 MiB
+    measured; 659 with 32 MiB MLP chunks and the norms' residuals kept, 17,771 with eager
+    attention: `docs/benchmarks.md`)."""
+    config = hf.DecoderConfig(
+        vocab_size=128_256,
+        hidden_size=256,
+        intermediate_size=896,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rope_theta=500_000.0,
+        sliding_window=None,
+        model_type="llama",
+        dtype="float32",
+    )
+    seven = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    lora_config = lora.LoraConfig(r=16, lora_alpha=32, target_modules=seven)
+    model = jax.eval_shape(
+        lambda: lora.add_lora(
+            hf.init(config, key=jax.random.key(0)), lora_config, key=jax.random.key(1)
+        )
+    )
+    adapters, frozen = eqx.partition(model, lora.lora_filter(model))
+
+    def loss_of(adapters, frozen, ids):
+        return hf.next_token_loss(eqx.combine(adapters, frozen), ids, remat=True)
+
+    ids = jax.ShapeDtypeStruct((1, 16_384), jnp.int32)
+    with pinned_to_cpu(), platform_tricks.tracing_for("cpu"):
+        compiled = jax.jit(jax.grad(loss_of)).lower(adapters, frozen, ids).compile()
+    analysis = compiled.memory_analysis()
+    assert analysis is not None
+    assert analysis.temp_size_in_bytes <= 512 * MiB, analysis.temp_size_in_bytes / MiB
 
 
 @pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
