@@ -43,15 +43,16 @@ One choice is a size rather than a trick, measured on both sides:
   CPU a bfloat16 LoRA step with 64 MiB chunks took 0.80x the textbook step's time: 64 MiB on
   CPUs, and on TPUs, where it is unmeasured.
 - `mlp_chunk_bytes`: the widest activation of one chunk of the HF decoder's MLP
-  (`eqx_lean.nn.positionwise`) when its `mlp_chunk_bytes` is `None`. XLA:CPU holds about
-  twelve chunk-sized float32 buffers in one chunk's backward pass (it fuses no sum into a
-  product). On this project's CPU, the plan of a Llama-3.2-1B-shaped bfloat16 LoRA step at
-  1 x 8,192 tokens holds 1.84 GiB of temporaries with 32 MiB chunks, 1.62 with 16 and 1.55
-  with 8 (2.97 with one chunk); the adapter gradient of a narrow decoder (hidden 256,
-  intermediate 896, float32) at 1 x 16,384 tokens 627 MiB with 32, 450 with 16, 361 with 8;
-  and the 1B step at 1 x 2,048 (four chunks of 8 MiB, one of 32) ran no slower with 8 MiB
-  chunks: 8 MiB on CPUs. On GPUs and TPUs 256 MiB (planned for one H100: an 8B's step at
-  131,072 tokens fits, 50.48 GiB, where unchunked it needs 63.11).
+  (`eqx_lean.nn.positionwise`) when its `mlp_chunk_bytes` is `None`. XLA:CPU holds eleven
+  chunk-sized float32 buffers at once in the backward pass of one chunk of a LoRA-adapted
+  SwiGLU MLP (it fuses no sum into a product). On this project's CPU, the plan of a
+  Llama-3.2-1B-shaped bfloat16 LoRA step at 1 x 8,192 tokens holds 1.84 GiB of temporaries
+  with 32 MiB chunks, 1.62 with 16 and 1.55 with 8 (2.97 with one chunk); the adapter
+  gradient of a narrow decoder (hidden 256, intermediate 896, float32) at 1 x 16,384 tokens
+  627 MiB with 32, 450 with 16, 361 with 8; and the 1B step at 1 x 2,048 (four chunks of
+  8 MiB, one of 32) ran no slower with 8 MiB chunks (0.95x): 8 MiB on CPUs. On GPUs and TPUs
+  256 MiB (planned for one H100: an 8B's step at 131,072 tokens fits, 50.48 GiB, where
+  unchunked it needs 63.11).
 
 A plan made on this machine for another platform (`eqx_lean.memory.plan`) traces its program
 with that platform's choices (`tracing_for`): the sizes above are read while tracing, from the
