@@ -1,13 +1,18 @@
 """`python -m eqx_lean.memory lora|full`: `--quantize`, `--fit`, the full-parameter step and
 usage errors; and the planners' refusals of bad sizes and mesh axes, before any compile.
 
-The commands run in subprocesses, three at a time, started by a module fixture (they share the
-session's compilation cache through `harness.subprocess_env`); each test reads its own. The
-expected argument bytes are counted from the configuration by hand, and `--fit`'s answer is
-checked against the device memory the fraction leaves, by hand.
+The commands that plan run in this process, as the command's planning child runs them
+(`EQX_LEAN_PLANNING_CHILD=1`; this process has the planning environment and the `plan` extra's
+CUDA plugin), each once, and share JAX's in-memory caches. The usage errors run as the user
+runs them, `python -m eqx_lean.memory` in a subprocess (and its child), three at a time,
+started by a module fixture; each test reads its own. The expected argument bytes are counted
+from the configuration by hand, and `--fit`'s answer is checked against the device memory the
+fraction leaves, by hand.
 """
 
+import contextlib
 import importlib.util
+import io
 import json
 import re
 import subprocess
@@ -49,14 +54,16 @@ _PLUGIN_NOISE = re.compile(r"^(WARNING: All log messages before absl|[IWEF]\d{4}
 # The commands' arguments after `python -m eqx_lean.memory`, by name; `{config}` is the
 # tiny decoder's config.json.
 STEP = ["8xh100", "--config", "{config}", "--seq-len", str(SEQ)]
-COMMANDS: dict[str, list[str]] = {
+# The commands that plan, run in this process.
+PLANS: dict[str, list[str]] = {
     "qlora": ["lora", *STEP, "--rank", str(RANK), "--quantize", "nf4"],
     "full": ["full", *STEP],
     "fit": ["lora", *STEP, "--rank", str(RANK), "--fit", "--memory-fraction", FIT_FRACTION],
     "16 GPUs": ["lora", "2x8xh100", *STEP[1:], "--rank", str(RANK), "--batch", "16"]
     + ["--mesh", "data=2,fsdp=8"],
-    "argparse": ["full", *STEP, "--quantize", "nf4"],
 }
+# The commands refused before planning, run in subprocesses as a user runs them.
+COMMANDS: dict[str, list[str]] = {"argparse": ["full", *STEP, "--quantize", "nf4"]}
 # Usage errors: the arguments, and words the one line on stderr must hold. They fail before
 # any compile; a few kinds (argparse's own, the command's, the planners' checks run in the
 # planning process, a target spec, the config file), the rest are checked in-process below.
@@ -112,6 +119,36 @@ def commands(tmp_path_factory):
     started.stop()
 
 
+class Plans:
+    """The commands that plan, each run in this process on first use (`result(name)`)."""
+
+    def __init__(self, directory: Path):
+        self.config = directory / "config.json"
+        self.config.write_text(json.dumps(dict(TINY_DECODER, model_type="mistral")))
+        self.results: dict[str, tuple[int, str, str]] = {}
+
+    def result(self, name: str) -> tuple[int, str, str]:
+        if name not in self.results:
+            argv = [a.format(config=str(self.config)) for a in PLANS[name]]
+            out, err = io.StringIO(), io.StringIO()
+            with (
+                pytest.MonkeyPatch.context() as patch,
+                contextlib.redirect_stdout(out),
+                contextlib.redirect_stderr(err),
+            ):
+                patch.setenv("EQX_LEAN_PLANNING_CHILD", "1")  # plan here, as the child does
+                code = memory_cli_main(argv)
+            self.results[name] = (code, out.getvalue(), err.getvalue())
+        return self.results[name]
+
+
+@pytest.fixture(scope="module")
+def plans(tmp_path_factory):
+    if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
+        pytest.skip("the plan-gpu extra (JAX's CUDA plugin) is not installed")
+    return Plans(tmp_path_factory.mktemp("plan_cli_plans"))
+
+
 def _own_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line and not _PLUGIN_NOISE.match(line)]
 
@@ -138,8 +175,8 @@ def _parameters(c: dict) -> tuple[int, int, int]:
 # --- the commands ------------------------------------------------------------------------
 
 
-def test_quantize_plans_a_qlora_step(commands):
-    code, out, err = commands.result("qlora")
+def test_quantize_plans_a_qlora_step(plans):
+    code, out, err = plans.result("qlora")
     assert code == 0, err[-3000:]
     assert f"(rank {RANK}, all seven projections, nf4 base, remat true)" in out
     assert "plan for 8xh100 (8 x gpu), per device: fits" in out
@@ -152,8 +189,8 @@ def test_quantize_plans_a_qlora_step(commands):
     assert _bytes(out, "arguments") <= quantized_at_most, (out, bf16, quantized_at_most)
 
 
-def test_full_parameter_step(commands):
-    code, out, err = commands.result("full")
+def test_full_parameter_step(plans):
+    code, out, err = plans.result("full")
     assert code == 0, err[-3000:]
     assert out.startswith("Full-parameter step (AdamW on every weight, remat true)")
     assert f"batch 8 x {SEQ} tokens" in out
@@ -166,8 +203,8 @@ def test_full_parameter_step(commands):
     assert _bytes(out, "donated outputs (alias)") <= -(3 * 2 * base // 8) + 0.05 * 2**10
 
 
-def test_fit_finds_the_largest_batch(commands):
-    code, out, err = commands.result("fit")
+def test_fit_finds_the_largest_batch(plans):
+    code, out, err = plans.result("fit")
     assert code == 0, err[-3000:]
     head = r"^largest batch that fits: (\d+) \(multiples of 8 up to 4096; (\d+) compiles: (.*)\)$"
     found = re.search(head, out, re.MULTILINE)
@@ -187,9 +224,9 @@ def test_fit_finds_the_largest_batch(commands):
     assert "plan for 8xh100 (8 x gpu), per device: fits" in out
 
 
-def test_sixteen_gpus_as_two_hosts_of_eight(commands):
+def test_sixteen_gpus_as_two_hosts_of_eight(plans):
     """16 H100s plan as 2 hosts of 8 (an H100 SXM host holds 8), whatever the mesh over them."""
-    code, out, err = commands.result("16 GPUs")
+    code, out, err = plans.result("16 GPUs")
     assert code == 0, err[-3000:]
     assert "plan for 2x8xh100 (16 x gpu), per device: fits" in out
 
