@@ -21,11 +21,20 @@ from harness import (  # noqa: E402
     CACHED_COMPILE_SECONDS,
     COMPILATION_CACHE_VARIABLES,
     FRESH_COMPILES,
+    at_xla_default_optimization,
     compilation_cache_variables,
     on_cpu,
     pinned_to_cpu,
     platform_skip_reason,
+    with_test_optimization,
 )
+
+
+# LLVM's optimisation level 1 for the suite's XLA:CPU programs and those of the processes it
+# starts (measured: harness.OPTIMIZATION_FLAG), set before JAX's backend reads `XLA_FLAGS`;
+# only where the suite runs on the CPU alone (a GPU run compiles as a user's would).
+if os.environ["JAX_PLATFORMS"] == "cpu" and os.environ.get("EQX_LEAN_TEST_XLA_DEFAULT") != "1":
+    os.environ["XLA_FLAGS"] = with_test_optimization(os.environ.get("XLA_FLAGS", ""))
 
 
 # One persistent compilation cache for the test session: both pytest-xdist workers and every
@@ -126,10 +135,14 @@ def empty_in_memory_caches():
 @pytest.fixture(autouse=True)
 def fresh_compiles_where_measured(request, monkeypatch):
     """The tests `harness.FRESH_COMPILES` names start their processes without the session's
-    compilation cache: their memory figures and compile counts are a first run's."""
+    compilation cache and at XLA's default optimisation level: their memory figures and
+    compile counts are a user's first run's."""
     if request.node.nodeid.startswith(FRESH_COMPILES):
         for name in COMPILATION_CACHE_VARIABLES:
             monkeypatch.delenv(name, raising=False)
+        default = at_xla_default_optimization(dict(os.environ))
+        for name in ("XLA_FLAGS", "EQX_LEAN_TEST_XLA_DEFAULT"):
+            monkeypatch.setenv(name, default[name])
 
 
 @pytest.fixture
