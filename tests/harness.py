@@ -85,9 +85,10 @@ FRESH_COMPILES = (
 # project's 2-core machine (2026-11-29, one after another, docs/benchmarks.md "The test loop"):
 # level 1 10:32 (901 s of backend compiles), XLA's default 11:27 (1,043 s); level 0 9:04 (705 s)
 # but 24 tests failed, every one a bitwise or 1e-6 parity of two programs (LLVM at level 0
-# rounds some products differently in each), so 0 is not an option. Applied by `conftest.py` where the suite runs on the CPU alone; the
-# processes of `FRESH_COMPILES` and `tests/test_xla_optimization.py` (the bitwise parities at
-# XLA's default level) compile at XLA's default. `EQX_LEAN_TEST_XLA_DEFAULT=1` turns it off.
+# rounds some products differently in each), so 0 is not an option. Applied by `conftest.py`
+# where the suite runs on the CPU alone; the processes of `FRESH_COMPILES` and
+# `tests/test_xla_optimization.py` (the bitwise parities at XLA's default level) compile at
+# XLA's default. `EQX_LEAN_TEST_XLA_DEFAULT=1` turns it off.
 OPTIMIZATION_FLAG = "--xla_backend_optimization_level"
 TEST_OPTIMIZATION_LEVEL = 1
 
