@@ -144,8 +144,6 @@ class Plans:
 
 @pytest.fixture(scope="module")
 def plans(tmp_path_factory):
-    if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
-        pytest.skip("the plan-gpu extra (JAX's CUDA plugin) is not installed")
     return Plans(tmp_path_factory.mktemp("plan_cli_plans"))
 
 
@@ -175,6 +173,7 @@ def _parameters(c: dict) -> tuple[int, int, int]:
 # --- the commands ------------------------------------------------------------------------
 
 
+@needs_gpu_plugin
 def test_quantize_plans_a_qlora_step(plans):
     code, out, err = plans.result("qlora")
     assert code == 0, err[-3000:]
@@ -189,6 +188,7 @@ def test_quantize_plans_a_qlora_step(plans):
     assert _bytes(out, "arguments") <= quantized_at_most, (out, bf16, quantized_at_most)
 
 
+@needs_gpu_plugin
 def test_full_parameter_step(plans):
     code, out, err = plans.result("full")
     assert code == 0, err[-3000:]
@@ -203,6 +203,7 @@ def test_full_parameter_step(plans):
     assert _bytes(out, "donated outputs (alias)") <= -(3 * 2 * base // 8) + 0.05 * 2**10
 
 
+@needs_gpu_plugin
 def test_fit_finds_the_largest_batch(plans):
     code, out, err = plans.result("fit")
     assert code == 0, err[-3000:]
@@ -224,6 +225,7 @@ def test_fit_finds_the_largest_batch(plans):
     assert "plan for 8xh100 (8 x gpu), per device: fits" in out
 
 
+@needs_gpu_plugin
 def test_sixteen_gpus_as_two_hosts_of_eight(plans):
     """16 H100s plan as 2 hosts of 8 (an H100 SXM host holds 8), whatever the mesh over them."""
     code, out, err = plans.result("16 GPUs")
