@@ -109,7 +109,8 @@ def build_stacked(
     stacked buffers and updates them in place. On CPU the writes lower JAX's Threefry hash
     unrolled (as JAX does on GPU and TPU), so each random draw fuses into the write of its rows
     and needs no temporaries at all; only what cannot fuse (a QR, a reduction over a leaf)
-    costs the temporaries of one group of leaves, no larger than the largest leaf.
+    costs the temporaries of one group of leaves, no larger than the largest leaf (or than
+    4 MiB, where every leaf is smaller: a small layer is one compiled write).
 
     ```python
     keys = jax.random.split(jax.random.key(0), 32)

@@ -13,10 +13,12 @@ from jaxtyping import Array, PRNGKeyArray
 
 import eqx_lean
 from eqx_lean.internal import (
+    SMALL_GROUP_BYTES,
     Block,  # the benchmark's own block: its worker's figures are measured below
     BlockConfig,
     build_calls,
     compile_writes,
+    leaf_groups,
     memory_analysis,
     plan_build,
     write_temp_bytes,
@@ -236,6 +238,40 @@ def test_second_call_compiles_nothing(compiles):
     before = compiles.count
     eqx_lean.build_stacked(make_block, other_keys, jnp.bfloat16)
     assert compiles.count == before
+
+
+def _leaves_of_bytes(*sizes: int) -> list[jax.ShapeDtypeStruct]:
+    return [jax.ShapeDtypeStruct((size // 4,), jnp.float32) for size in sizes]
+
+
+MIB = 2**20
+
+
+def test_large_leaves_are_grouped_no_larger_than_the_largest_leaf():
+    sizes = [16 * MIB, 8 * MIB, 8 * MIB, 6 * MIB, 2 * MIB, 1 * MIB]
+    groups = leaf_groups(_leaves_of_bytes(*sizes))
+    assert sorted(j for group in groups for j in group) == list(range(len(sizes)))
+    assert all(sum(sizes[j] for j in group) <= 16 * MIB for group in groups)
+    # The two 8 MiB leaves fill a group; the rest pack around them, first fit.
+    assert groups == ((0,), (1, 2), (3, 4, 5))
+
+
+def test_small_leaves_share_one_group_up_to_the_small_group_bytes():
+    assert SMALL_GROUP_BYTES == 4 * MIB
+    # Leaves of a small layer: one group, so one compiled write, however many leaves.
+    assert leaf_groups(_leaves_of_bytes(*[64 * 2**10] * 40)) == (tuple(range(40)),)
+    # Past 4 MiB in all, a second group, still none larger than 4 MiB.
+    groups = leaf_groups(_leaves_of_bytes(*[MIB] * 6))
+    assert groups == ((0, 1, 2, 3), (4, 5))
+    # A leaf larger than 4 MiB sets the bound, as before.
+    assert leaf_groups(_leaves_of_bytes(6 * MIB, 3 * MIB, 3 * MIB)) == ((0,), (1, 2))
+
+
+def test_a_small_block_is_written_by_one_compiled_write():
+    keys = jax.random.split(jax.random.key(0), 2)
+    plan = plan_build(make_block, keys, jnp.bfloat16)
+    assert len(plan.layout.structs) > 1
+    assert [group.leaves for group in plan.groups] == [tuple(range(len(plan.layout.structs)))]
 
 
 def test_writes_alias_the_stacked_buffers():

@@ -54,6 +54,7 @@ from .dtypes import (
     resolve_dtypes as resolve_dtypes,
 )
 from .layout import (
+    SMALL_GROUP_BYTES as SMALL_GROUP_BYTES,
     Layout as Layout,
     is_array_like as is_array_like,
     layer_struct as layer_struct,

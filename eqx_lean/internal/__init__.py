@@ -16,8 +16,10 @@ seam, marked `# Test seam:` where it is defined).
 from .._core import (
     WRITES as WRITES,
     BuildPlan as BuildPlan,
+    SMALL_GROUP_BYTES as SMALL_GROUP_BYTES,
     WriteGroup as WriteGroup,
     compile_writes as compile_writes,
+    leaf_groups as leaf_groups,
     constrain as constrain,
     build_in_trace as build_in_trace,
     layers_per_call as layers_per_call,
