@@ -26,6 +26,7 @@ from harness import (  # noqa: E402
     on_cpu,
     pinned_to_cpu,
     platform_skip_reason,
+    uses_test_optimization,
     with_test_optimization,
 )
 
@@ -33,7 +34,7 @@ from harness import (  # noqa: E402
 # LLVM's optimisation level 1 for the suite's XLA:CPU programs and those of the processes it
 # starts (measured: harness.OPTIMIZATION_FLAG), set before JAX's backend reads `XLA_FLAGS`;
 # only where the suite runs on the CPU alone (a GPU run compiles as a user's would).
-if os.environ["JAX_PLATFORMS"] == "cpu" and os.environ.get("EQX_LEAN_TEST_XLA_DEFAULT") != "1":
+if uses_test_optimization(os.environ):
     os.environ["XLA_FLAGS"] = with_test_optimization(os.environ.get("XLA_FLAGS", ""))
 
 

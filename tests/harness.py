@@ -24,7 +24,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import equinox as eqx
@@ -91,19 +91,25 @@ FRESH_COMPILES = (
 # XLA's default. `EQX_LEAN_TEST_XLA_DEFAULT=1` turns it off.
 OPTIMIZATION_FLAG = "--xla_backend_optimization_level"
 TEST_OPTIMIZATION_LEVEL = 1
+TEST_OPTIMIZATION = f"{OPTIMIZATION_FLAG}={TEST_OPTIMIZATION_LEVEL}"
+
+
+def uses_test_optimization(env: Mapping[str, str]) -> bool:
+    """Whether a suite started with `env` compiles at the suite's level: on the CPU alone,
+    unless `EQX_LEAN_TEST_XLA_DEFAULT=1` asks for XLA's default."""
+    return env.get("JAX_PLATFORMS") == "cpu" and env.get("EQX_LEAN_TEST_XLA_DEFAULT") != "1"
 
 
 def with_test_optimization(flags: str) -> str:
     """`XLA_FLAGS` with the suite's LLVM optimisation level added, unless it names one."""
     if OPTIMIZATION_FLAG in flags:
         return flags
-    return " ".join([*flags.split(), f"{OPTIMIZATION_FLAG}={TEST_OPTIMIZATION_LEVEL}"])
+    return " ".join([*flags.split(), TEST_OPTIMIZATION])
 
 
 def at_xla_default_optimization(env: dict[str, str]) -> dict[str, str]:
     """`env` with the suite's LLVM optimisation level taken out of `XLA_FLAGS`."""
-    flag = f"{OPTIMIZATION_FLAG}={TEST_OPTIMIZATION_LEVEL}"
-    flags = [f for f in env.get("XLA_FLAGS", "").split() if f != flag]
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if f != TEST_OPTIMIZATION]
     return {**env, "XLA_FLAGS": " ".join(flags), "EQX_LEAN_TEST_XLA_DEFAULT": "1"}
 
 

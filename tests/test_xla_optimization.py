@@ -9,7 +9,13 @@ import subprocess
 import sys
 
 import pytest
-from harness import REPO, TEST_OPTIMIZATION_LEVEL, at_xla_default_optimization, subprocess_env
+from harness import (
+    REPO,
+    TEST_OPTIMIZATION,
+    at_xla_default_optimization,
+    subprocess_env,
+    uses_test_optimization,
+)
 
 
 # The cases that LLVM's level 0 broke (measured): level 1 passes them, and so must XLA's default.
@@ -22,11 +28,12 @@ AT_XLA_DEFAULT = [
 
 
 def test_the_suite_compiles_at_level_1_on_the_cpu():
-    if os.environ.get("JAX_PLATFORMS") != "cpu" or os.environ.get("EQX_LEAN_TEST_XLA_DEFAULT"):
+    if not uses_test_optimization(os.environ):
         pytest.skip("the suite runs at XLA's default level here (not on the CPU alone, or asked)")
-    flag = f"--xla_backend_optimization_level={TEST_OPTIMIZATION_LEVEL}"
-    assert flag in os.environ["XLA_FLAGS"].split()
-    assert flag not in at_xla_default_optimization(dict(os.environ))["XLA_FLAGS"].split()
+    assert TEST_OPTIMIZATION in os.environ["XLA_FLAGS"].split()
+    assert (
+        TEST_OPTIMIZATION not in at_xla_default_optimization(dict(os.environ))["XLA_FLAGS"].split()
+    )
 
 
 def test_bitwise_claims_hold_at_xla_default_optimization():
