@@ -246,18 +246,21 @@ def zeros_like_struct(struct: jax.ShapeDtypeStruct) -> Array:
 SMALL_GROUP_BYTES = 4 * 2**20
 
 
-def leaf_groups(structs: Sequence[jax.ShapeDtypeStruct]) -> tuple[tuple[int, ...], ...]:
+def leaf_groups(
+    structs: Sequence[jax.ShapeDtypeStruct], small_group_bytes: int = SMALL_GROUP_BYTES
+) -> tuple[tuple[int, ...], ...]:
     """Groups leaf indices so that no group builds more than the largest leaf does, or more
-    than `SMALL_GROUP_BYTES` where every leaf is smaller.
+    than `small_group_bytes` where every leaf is smaller.
 
     XLA removes whatever a compiled function does not return, so a write that returns one group
     of leaves creates (and draws random numbers for) only those leaves: the group bounds the
     temporaries. Small leaves share a group to keep the number of compiled functions low.
+    (`small_group_bytes=0` gives the grouping by the largest leaf alone, for comparison.)
     """
     if not structs:
         return ()
     sizes = [struct_bytes(s) for s in structs]
-    budget = max(*sizes, SMALL_GROUP_BYTES)
+    budget = max(*sizes, small_group_bytes)
     groups: list[list[int]] = []
     totals: list[int] = []
     for index in sorted(range(len(structs)), key=lambda j: -sizes[j]):
